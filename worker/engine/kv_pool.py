@@ -1,0 +1,72 @@
+"""KV memory: the request-to-token table, the paged token-to-KV pool and its allocator.
+
+A slot is one token's K and V in every layer. Slots come in pages of `page_size`;
+slot = page * page_size + offset. Page 0 is reserved as a scratch page (padded rows
+of a CUDA graph write there), so `num_pages - 1` pages are usable.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Free list of pages. Invariant (checked by callers): free + cached + in use == total."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError("KV pool too small: need at least 2 pages")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.total = num_pages - 1  # page 0 is scratch
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def free(self, pages) -> None:
+        self._free.extend(pages)
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape [num_pages * page_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages, page_size)
+
+    @staticmethod
+    def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ReqToTokenPool:
+    """Row r maps request r's token positions to KV slots (the `req_to_token` table)."""
+
+    def __init__(self, max_reqs: int, max_context: int, device):
+        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        self._free = list(range(max_reqs - 1, -1, -1))
+        self.max_reqs = max_reqs
+        self.max_context = max_context
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        self._free.append(idx)

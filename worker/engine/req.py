@@ -1,0 +1,64 @@
+"""Per-request state: one rid = one (item, sample) of a caller's batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+
+class ReqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int  # per-sample seed, derived from (job seed, item index, sample index)
+    eos_ids: frozenset[int] = frozenset()
+    tag: Any = None  # where events go (the caller's handle: a job, a generate call)
+    index: int = 0  # item index in the caller's batch
+    sample: int = 0  # sample index within the item
+    return_prompt_logits: bool = False
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    # Extra info on the finish: the matched stop string or stop token.
+    matched_stop: Any = None
+
+    # KV state. kv_len tokens of fill_ids have their KV in the pool, the first
+    # prefix_len of those were borrowed from the radix cache (locked at last_node).
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
+    chunk_len: int = 0  # tokens scheduled in the current extend step
+    num_retractions: int = 0
+    prompt_logits: list = field(default_factory=list)  # chunks of [n, vocab] when asked
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs: prompt + generated so far."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def extend_todo(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.seq_len - self.kv_len
