@@ -44,3 +44,45 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class ScheduleBatch:
+    """The requests of one step and how many new tokens each runs (slots already allocated)."""
+    reqs: list  # list[Req]
+    extend_lens: list[int]
+    out_cache_loc: list  # per request, its new tokens' slots (tensors)
+
+    def needs_logits(self, i: int) -> bool:
+        r = self.reqs[i]
+        return r.kv_len + self.extend_lens[i] == r.seq_len
+
+    def to_forward_batch(self, kv, req_to_token: torch.Tensor, device) -> ForwardBatch:
+        ids, pos, logit_rows = [], [], []
+        prefix, seq, starts = [], [], []
+        t = 0
+        for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
+            fill = r.fill_ids
+            ids.extend(fill[r.kv_len:r.kv_len + n])
+            pos.extend(range(r.kv_len, r.kv_len + n))
+            prefix.append(r.kv_len)
+            seq.append(r.kv_len + n)
+            starts.append(t)
+            if r.return_prompt_logits:
+                logit_rows.extend(range(t, t + n))
+            elif self.needs_logits(i):
+                logit_rows.append(t + n - 1)
+            t += n
+        mode = ForwardMode.DECODE if all(n == 1 for n in self.extend_lens) else ForwardMode.EXTEND
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+        return ForwardBatch(
+            mode=mode, input_ids=tensor(ids), positions=tensor(pos),
+            out_cache_loc=torch.cat(self.out_cache_loc).to(device),
+            req_pool_indices=tensor([r.req_pool_idx for r in self.reqs]),
+            seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
+            extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
+            extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
+            logits_idx=tensor(logit_rows))

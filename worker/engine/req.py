@@ -34,11 +34,12 @@ class Req:
     # Extra info on the finish: the matched stop string or stop token.
     matched_stop: Any = None
 
-    # KV state. kv_len tokens of fill_ids have their KV in the pool, the first
+    # KV state. The first alloc_len positions have slots in req_to_token; kv_len tokens of fill_ids have their KV in the pool, the first
     # prefix_len of those were borrowed from the radix cache (locked at last_node).
     req_pool_idx: int | None = None
     kv_len: int = 0
     prefix_len: int = 0
+    alloc_len: int = 0  # positions with a slot allocated (>= kv_len during a step)
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     chunk_len: int = 0  # tokens scheduled in the current extend step

@@ -1,0 +1,109 @@
+"""Request-level KV bookkeeping over the pools and the radix cache (nano-vllm's block manager).
+
+Invariant: free pages + pages cached in the tree + pages private to live requests == total.
+A request's private pages cover positions [prefix_len, alloc_len); its first prefix_len
+positions are borrowed, locked, from the tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_pool import KVPool, ReqToTokenPool
+from .radix_cache import RadixCache
+from .req import Req
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, cache: RadixCache):
+        self.kv = kv
+        self.rtt = req_to_token
+        self.cache = cache
+        self.alloc = kv.allocator
+        self.ps = kv.page_size
+        self.table = req_to_token.table
+
+    @property
+    def available_pages(self) -> int:
+        return self.alloc.num_free + self.cache.evictable_pages
+
+    def pages_for(self, req: Req, n: int) -> int:
+        """New pages needed to extend req by n tokens."""
+        return _cdiv(req.alloc_len + n, self.ps) - _cdiv(req.alloc_len, self.ps)
+
+    def admit(self, req: Req) -> bool:
+        """Give req a table row and borrow its longest cached prefix. False if no row is free."""
+        row = self.rtt.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        slots, node = self.cache.match_prefix(req.fill_ids[:-1])
+        n = 0 if slots is None else len(slots)
+        if n:
+            self.table[row, :n] = slots
+        self.cache.lock(node)
+        req.last_node, req.prefix_len, req.kv_len, req.alloc_len = node, n, n, n
+        return True
+
+    def alloc_extend(self, req: Req, n: int) -> torch.Tensor | None:
+        """Slots for positions [alloc_len, alloc_len + n), evicting cached pages if needed."""
+        start, end = req.alloc_len, req.alloc_len + n
+        need = self.pages_for(req, n)
+        if need > self.alloc.num_free:
+            self.cache.evict(need - self.alloc.num_free)
+        pages = self.alloc.alloc(need)
+        if pages is None:
+            return None
+        row = self.table[req.req_pool_idx]
+        pos = torch.arange(start, end)
+        first_new = _cdiv(start, self.ps) * self.ps  # first position on a new page
+        slots = torch.empty(n, dtype=torch.int64)
+        old = pos < first_new
+        if old.any():  # fill the rest of the last, partly used page
+            slots[old] = row[start - 1].cpu() + 1 + (pos[old] - start)
+        if need:
+            new_pos = pos[~old] - first_new
+            slots[~old] = torch.tensor(pages)[new_pos // self.ps] * self.ps + new_pos % self.ps
+        slots = slots.to(self.table.device)
+        row[start:end] = slots
+        req.alloc_len = end
+        return slots
+
+    def _pages(self, row: int, start: int, end: int) -> list[int]:
+        """Pages of the row's positions [start, end), start page-aligned."""
+        if end <= start:
+            return []
+        return (self.table[row, start:end:self.ps] // self.ps).tolist()
+
+    def release(self, req: Req) -> None:
+        """Hand req's computed KV to the radix cache, free the rest, unlock, free the row."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        aligned = req.kv_len // self.ps * self.ps if self.cache.enabled else 0
+        keep_from = req.prefix_len
+        if aligned > req.prefix_len:
+            already = self.cache.insert(req.fill_ids[:aligned], self.table[row, :aligned])
+            # Someone cached [prefix_len, already) meanwhile: our copies are duplicates.
+            self.alloc.free(self._pages(row, req.prefix_len, already))
+            keep_from = aligned
+        self.alloc.free(self._pages(row, keep_from, req.alloc_len))
+        self.cache.unlock(req.last_node)
+        self.rtt.free(row)
+        req.req_pool_idx, req.last_node = None, None
+        req.prefix_len = req.kv_len = req.alloc_len = 0
+
+    def private_pages(self, req: Req) -> int:
+        return _cdiv(req.alloc_len, self.ps) - req.prefix_len // self.ps
+
+    def check(self, live: list[Req]) -> None:
+        """The invariant: free + cached + in use == total."""
+        self.cache.check()
+        in_use = sum(self.private_pages(r) for r in live if r.req_pool_idx is not None)
+        total = self.alloc.num_free + self.cache.cached_pages + in_use
+        assert total == self.alloc.total, (
+            f"KV leak: free {self.alloc.num_free} + cached {self.cache.cached_pages} + "
+            f"in use {in_use} != total {self.alloc.total}")
