@@ -1,0 +1,156 @@
+"""Triton kernels (in the interpreter on a CPU) against their torch references, and the Triton
+attention backend against the torch backend. Shapes stay tiny: the interpreter is slow."""
+import pytest
+import torch
+
+from worker.engine.attention.torch_backend import TorchBackend
+from worker.engine.attention.triton_backend import TritonBackend
+from worker.engine.batch import ForwardBatch, ForwardMode
+from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref
+from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref
+from worker.engine.kernels.store_kv import store_kv, store_kv_ref
+from worker.engine.kv_pool import KVPool, ReqToTokenPool
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=1e-2)}
+SLOTS = 512  # per pool, whatever the page size
+MAX_CTX = 128
+
+
+def _table(seq_lens, page_size, gen):
+    """req_to_token for requests of the given lengths, in shuffled rows, on shuffled pages
+    (never page 0). Returns (table [R, MAX_CTX], req_pool_indices [B])."""
+    pages = (torch.randperm(SLOTS // page_size - 1, generator=gen) + 1).tolist()
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[:len(seq_lens)]
+    table = torch.zeros(len(seq_lens) + 2, MAX_CTX, dtype=torch.int64)
+    for row, n in zip(rows.tolist(), seq_lens):
+        mine = torch.tensor([pages.pop() for _ in range(-(-n // page_size))], dtype=torch.int64)
+        slots = (mine[:, None] * page_size + torch.arange(page_size)).flatten()
+        table[row, :n] = slots[:n]
+    return table, rows
+
+
+def _buffers(page_size, hkv, d, dtype, gen):
+    shape = (SLOTS, hkv, d)
+    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv(page_size, dtype):
+    gen = torch.Generator().manual_seed(0)
+    kb, vb = _buffers(page_size, 2, 24, dtype, gen)
+    table, rows = _table([5, 9], page_size, gen)
+    loc = torch.cat([table[rows[0], 2:5], table[rows[1], :9]])
+    # k and v as views of a fused projection (strided rows), in fp32 whatever the cache dtype.
+    kv = torch.randn(len(loc), 2, 2, 24, generator=gen)
+    k, v = kv[:, 0], kv[:, 1]
+    kr, vr = kb.clone(), vb.clone()
+    store_kv(k, v, kb, vb, loc)
+    store_kv_ref(k, v, kr, vr, loc)
+    assert torch.equal(kb, kr) and torch.equal(vb, vr)
+    assert torch.equal(kb[loc], k.to(dtype))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (3, 3, 16), (36, 2, 16)])
+def test_decode_attention(page_size, dtype, hq, hkv, d):
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [1, 70, 33, 16]  # 70 spreads over 3 of the 4 splits; 1 leaves 3 empty
+    kb, vb = _buffers(page_size, hkv, d, dtype, gen)
+    table, rows = _table(seq_lens, page_size, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens)
+    out = decode_attention(q, kb, vb, table, rows, lens, 0.25, num_kv_splits=4)
+    ref = decode_attention_ref(q, kb, vb, table, rows, lens, 0.25)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [13, 0, 40]])
+def test_extend_attention(page_size, dtype, prefix_lens):
+    gen = torch.Generator().manual_seed(2)
+    extend_lens = [70, 1, 5]  # 70 spans several query blocks
+    hq, hkv, d = 4, 2, 32
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    kb, vb = _buffers(page_size, hkv, d, dtype, gen)
+    table, rows = _table(seq_lens, page_size, gen)
+    q = torch.randn(sum(extend_lens), hq, d, generator=gen).to(dtype)
+    ext = torch.tensor(extend_lens)
+    start = torch.cumsum(ext, 0) - ext
+    args = (q, kb, vb, table, rows, torch.tensor(seq_lens), start, ext)
+    out = extend_attention(*args, max(extend_lens), 0.2)
+    ref = extend_attention_ref(*args, 0.2)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_bad_input_names_the_field():
+    q = torch.randn(2, 3, 16)
+    kb = torch.randn(8, 2, 16)
+    table = torch.zeros(2, 8, dtype=torch.int64)
+    two = torch.ones(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_attention(q, kb, kb, table, two, two, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(torch.randn(2, 4, 16), kb, kb, table, two, two[:1], 1.0)
+    with pytest.raises(ValueError, match="extend_lens"):
+        extend_attention(torch.randn(2, 4, 16), kb, kb, table, two, two, two, two[:1], 1, 1.0)
+    with pytest.raises(ValueError, match="loc"):
+        store_kv(kb[:3], kb[:3], kb, kb, two)
+
+
+def _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, gen, pad_rows=0):
+    """A hand-built batch over a 2-layer pool whose prefix slots hold random KV. Padded rows
+    (as a CUDA graph pads a decode batch) have seq_len 1 on a zero row: scratch slot 0."""
+    hkv, d = 2, 32
+    kv = KVPool(2, SLOTS // page_size, page_size, hkv, d, dtype, "cpu")
+    for buf in kv.k + kv.v:
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    table, rows = _table(seq_lens, page_size, gen)
+    req_to_token = ReqToTokenPool(len(seq_lens) + 2, MAX_CTX, "cpu").table
+    req_to_token.copy_(table)
+    loc = [table[r, p:s] for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)]
+    scratch_row = next(i for i in range(len(table)) if i not in rows.tolist())
+    loc += [torch.zeros(1, dtype=torch.int64)] * pad_rows
+    rows = torch.cat([rows, torch.full((pad_rows,), scratch_row)])
+    prefix_lens, extend_lens = prefix_lens + [0] * pad_rows, extend_lens + [1] * pad_rows
+    seq_lens = seq_lens + [1] * pad_rows
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
+    ext = torch.tensor(extend_lens)
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
+        out_cache_loc=torch.cat(loc), req_pool_indices=rows, seq_lens=torch.tensor(seq_lens),
+        prefix_lens=torch.tensor(prefix_lens), extend_lens=ext, extend_start_loc=torch.cumsum(ext, 0) - ext,
+        seq_lens_cpu=seq_lens, prefix_lens_cpu=prefix_lens, extend_lens_cpu=extend_lens,
+        req_to_token=req_to_token, kv=kv)
+
+
+def _run(backend, fb, q, k, v):
+    backend.prepare(fb)
+    return backend.forward(q, k, v, 1, fb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,pad_rows", [
+    (ForwardMode.EXTEND, [0, 12, 7, 0, 30], [9, 1, 20, 1, 3], 0),
+    (ForwardMode.DECODE, [0, 39, 16], [1, 1, 1], 2),
+], ids=["extend", "decode"])
+def test_triton_backend_matches_torch_backend(dtype, mode, prefix_lens, extend_lens, pad_rows):
+    gen = torch.Generator().manual_seed(3)
+    page_size = 16 if mode == ForwardMode.DECODE else 1
+    fb = _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, gen, pad_rows)
+    fb_ref = _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, torch.Generator().manual_seed(3), pad_rows)
+    T = fb.num_tokens
+    # Views of a fused qkv projection, as the model passes them.
+    qkv = torch.randn(T, (4 + 2 + 2) * 32, generator=gen).to(dtype)
+    q, k, v = (x.view(T, -1, 32) for x in qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1))
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=32)
+    out = _run(TritonBackend(num_kv_splits=4, **kw), fb, q, k, v)
+    ref = _run(TorchBackend(**kw), fb_ref, q, k, v)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    for layer in range(2):  # the new KV went to the same slots of layer 1 only
+        assert torch.equal(fb.kv.k[layer], fb_ref.kv.k[layer])
+        assert torch.equal(fb.kv.v[layer], fb_ref.kv.v[layer])

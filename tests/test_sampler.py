@@ -1,0 +1,272 @@
+import math
+import random
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from worker.engine.req import Req
+from worker.engine.sampler import Sampler, seeded_uniform
+from worker.engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def req(seed=0, input_ids=(1, 2), output_ids=(), eos=(), **params):
+    return Req(rid=f"r{seed}", input_ids=list(input_ids), params=SamplingParams(**params),
+               seed=seed, eos_ids=frozenset(eos), output_ids=list(output_ids))
+
+
+def logits_for(rows, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3
+
+
+# --- the hash ---------------------------------------------------------------------------
+
+def _py_mix32(x):
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _py_uniform(seed, step, col):
+    """Plain-integer reference of the sampler's hash (Python ints never overflow)."""
+    m = 0xFFFFFFFF
+    k = _py_mix32(((seed & m) + 0x9E3779B9) & m)
+    k = _py_mix32(k ^ ((seed >> 32) & m))
+    k = _py_mix32(k ^ (step & m))
+    c = _py_mix32(col + 0x85EBCA6B)
+    h = _py_mix32(_py_mix32(k ^ c) + k & m)
+    return ((h >> 9) + 0.5) / (1 << 23)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uniform_matches_integer_reference(device):
+    seeds = [0, 1, 2**32 - 1, 2**32 + 5, 2**63 + 12345, 2**64 - 1]
+    steps = [0, 7, 1, 2**31, 3, 100000]
+    u = seeded_uniform(seeds, steps, 1000, device).cpu()
+    for r, (s, t) in enumerate(zip(seeds, steps)):
+        for c in (0, 1, 2, 511, 999):
+            assert u[r, c].item() == _py_uniform(s, t, c)
+    assert (u > 0).all() and (u < 1).all()
+
+
+def test_uniform_looks_uniform_and_independent():
+    u = seeded_uniform(list(range(64)), [3] * 64, 4096)
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert abs(u.var().item() - 1 / 12) < 0.002
+    # Neighbouring seeds, steps and columns are uncorrelated.
+    v = seeded_uniform(list(range(64)), [4] * 64, 4096)
+    for a, b in [(u[:-1], u[1:]), (u, v), (u[:, :-1], u[:, 1:])]:
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(corr) < 0.01
+
+
+# --- greedy and filters ------------------------------------------------------------------
+
+def test_greedy_is_argmax():
+    logits = logits_for(6, 50)
+    s = Sampler(50, "cpu")
+    out = s(logits, [req(seed=i, temperature=0.0) for i in range(6)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_top_k_1_is_greedy_whatever_the_temperature():
+    logits = logits_for(8, 50)
+    s = Sampler(50, "cpu")
+    out = s(logits, [req(seed=i, temperature=5.0, top_k=1) for i in range(8)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_padding_columns_are_never_sampled():
+    logits = torch.zeros(4, 12)
+    logits[:, 10:] = 100.0  # lm_head padding past the real vocab
+    s = Sampler(10, "cpu")
+    assert all(t < 10 for t in s(logits, [req(seed=i, temperature=0.0) for i in range(4)]).token_ids)
+    assert all(t < 10 for t in s(logits, [req(seed=i) for i in range(4)]).token_ids)
+
+
+def _allowed(logits_row, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0):
+    """The set of tokens the filters let through, computed one row at a time."""
+    p = torch.softmax(logits_row / temperature, -1).tolist()
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    if top_k > 0:
+        order = order[:top_k]
+    total = sum(p[i] for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if top_p < 1.0 and mass >= top_p:
+            break
+        kept.append(i)
+        mass += p[i] / total
+    pmax = max(p)
+    return {i for i in kept if p[i] >= min_p * pmax}
+
+
+@pytest.mark.parametrize("flt", [
+    dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2), dict(top_k=8, top_p=0.7, temperature=0.6),
+    dict(top_p=0.9, min_p=0.05, temperature=1.5),
+])
+def test_samples_stay_inside_the_allowed_set(flt):
+    V, n = 40, 300
+    base = logits_for(1, V, seed=1)[0] / 3
+    allowed = _allowed(base, **flt)
+    assert 1 < len(allowed) < V
+    s = Sampler(V, "cpu")
+    toks = s(base.expand(n, V).clone(), [req(seed=i, **flt) for i in range(n)]).token_ids
+    assert set(toks) <= allowed
+    assert len(set(toks)) > 1  # the filters cut the tail, they do not make it greedy
+
+
+def test_mixed_rows_each_get_their_own_filters():
+    V = 40
+    base = logits_for(1, V, seed=2)[0]
+    rows = [dict(temperature=0.0), dict(top_k=3), dict(top_p=0.3), dict(min_p=0.5), dict()]
+    reqs = [req(seed=i, **rows[i % len(rows)]) for i in range(200)]
+    toks = Sampler(V, "cpu")(base.expand(200, V).clone(), reqs).token_ids
+    for i, t in enumerate(toks):
+        f = rows[i % len(rows)]
+        if f.get("temperature") == 0.0:
+            assert t == base.argmax().item()
+        else:
+            assert t in _allowed(base, **f)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_distribution_matches_softmax(temperature):
+    V, n = 8, 8000
+    base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    reqs = [req(seed=i, temperature=temperature) for i in range(n)]
+    toks = Sampler(V, "cpu")(base.expand(n, V).clone(), reqs).token_ids
+    counts = torch.bincount(torch.tensor(toks), minlength=V).double()
+    expected = torch.softmax(base.double() / temperature, -1) * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 24.3  # chi-square, 7 degrees of freedom, p = 0.001
+
+
+# --- reproducibility -----------------------------------------------------------------------
+
+def test_same_seed_and_step_give_the_same_token_in_any_batch():
+    V = 64
+    s = Sampler(V, "cpu")
+    target = req(seed=1234, output_ids=[5, 6, 7], top_p=0.9, temperature=0.8)
+    row = logits_for(1, V, seed=3)
+    alone = s(row.clone(), [target]).token_ids[0]
+
+    rng = random.Random(0)
+    for trial in range(5):
+        others = [req(seed=rng.randrange(2**40), output_ids=[1] * rng.randrange(5),
+                      temperature=rng.choice([0.0, 0.5, 1.0, 1.3]), top_k=rng.choice([-1, 4, 20]),
+                      top_p=rng.choice([1.0, 0.8]), min_p=rng.choice([0.0, 0.1]),
+                      repetition_penalty=rng.choice([1.0, 1.2]))
+                  for _ in range(50)]
+        pos = rng.randrange(51)
+        reqs = others[:pos] + [target] + others[pos:]
+        batch = logits_for(51, V, seed=100 + trial)
+        batch[pos] = row[0]
+        assert s(batch, reqs).token_ids[pos] == alone
+
+
+def test_different_seeds_and_steps_give_different_samples():
+    V = 1000
+    s = Sampler(V, "cpu")
+    flat = torch.zeros(20, V)
+    by_seed = s(flat.clone(), [req(seed=i) for i in range(20)]).token_ids
+    assert len(set(by_seed)) >= 18
+    by_step = s(flat.clone(), [req(seed=7, output_ids=[0] * i) for i in range(20)]).token_ids
+    assert len(set(by_step)) >= 18
+    again = s(flat.clone(), [req(seed=i) for i in range(20)]).token_ids
+    assert again == by_seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_and_cuda_sample_the_same_tokens():
+    V = 5000
+    logits = logits_for(64, V, seed=4)
+    reqs = [req(seed=i, output_ids=[i % 7] * (i % 5), top_p=0.95, top_k=50 if i % 2 else -1,
+                temperature=0.9, repetition_penalty=1.1 if i % 3 == 0 else 1.0) for i in range(64)]
+    cpu = Sampler(V, "cpu")(logits, reqs).token_ids
+    gpu = Sampler(V, "cuda")(logits.cuda(), reqs).token_ids
+    assert cpu == gpu
+
+
+# --- penalties, min_new_tokens, logprobs ----------------------------------------------------
+
+def test_repetition_penalty_matches_transformers():
+    V = 30
+    logits = logits_for(2, V, seed=5)
+    reqs = [req(input_ids=[1, 2, 3, 3], output_ids=[7, 9], repetition_penalty=1.3, temperature=0.0),
+            req(input_ids=[4], output_ids=[], repetition_penalty=0.8, temperature=0.0)]
+    got = Sampler(V, "cpu").apply_penalties(logits, reqs)
+    for i, r in enumerate(reqs):
+        proc = RepetitionPenaltyLogitsProcessor(penalty=r.params.repetition_penalty)
+        want = proc(torch.tensor([r.input_ids + r.output_ids]), logits[i:i + 1].clone())[0]
+        torch.testing.assert_close(got[i], want)
+
+
+def test_frequency_and_presence_penalties():
+    V = 20
+    logits = logits_for(3, V, seed=6)
+    outs = [[3, 3, 3, 5], [], [0, 19, 19]]
+    reqs = [req(input_ids=[5, 6], output_ids=outs[0], frequency_penalty=0.5, presence_penalty=1.0),
+            req(output_ids=outs[1], frequency_penalty=1.0),
+            req(input_ids=[0], output_ids=outs[2], frequency_penalty=-0.3, presence_penalty=0.2)]
+    got = Sampler(V, "cpu").apply_penalties(logits, reqs)
+    want = logits.clone()
+    for i, r in enumerate(reqs):
+        for t in set(outs[i]):  # prompt tokens do not count
+            c = outs[i].count(t)
+            want[i, t] -= c * r.params.frequency_penalty + r.params.presence_penalty
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got, logits)
+
+
+def test_penalties_leave_the_input_alone_and_steer_greedy():
+    V = 10
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 1.0
+    logits[0, 2] = 0.9
+    before = logits.clone()
+    s = Sampler(V, "cpu")
+    assert s(logits, [req(temperature=0.0)]).token_ids == [4]
+    assert s(logits, [req(output_ids=[4], temperature=0.0, presence_penalty=0.5)]).token_ids == [2]
+    assert s(logits, [req(input_ids=[4], temperature=0.0, repetition_penalty=2.0)]).token_ids == [2]
+    assert torch.equal(logits, before)
+
+
+def test_min_new_tokens_masks_eos_and_stop_tokens():
+    V = 10
+    logits = torch.zeros(3, V)
+    logits[:, 9] = 10.0  # eos
+    logits[:, 8] = 9.0  # a stop token id
+    logits[:, 3] = 8.0
+    s = Sampler(V, "cpu")
+    p = dict(min_new_tokens=2, stop_token_ids=[8], eos=[9], temperature=0.0)
+    out = s(logits, [req(output_ids=[], **p), req(output_ids=[1], **p), req(output_ids=[1, 1], **p)])
+    assert out.token_ids == [3, 3, 9]
+    sampled = s(logits[:1].expand(50, V).clone(), [req(seed=i, min_new_tokens=1, stop_token_ids=[8], eos=[9])
+                                                  for i in range(50)]).token_ids
+    assert 8 not in sampled and 9 not in sampled
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    V = 30
+    logits = logits_for(4, V, seed=7)
+    reqs = [req(seed=0, temperature=0.0, logprobs=True), req(seed=1, temperature=0.5),
+            req(seed=2, output_ids=[1, 1], repetition_penalty=1.5, top_k=3),
+            req(seed=3, temperature=0.0)]
+    out = Sampler(V, "cpu")(logits, reqs)
+    ref = torch.log_softmax(logits, -1)
+    for i, t in enumerate(out.token_ids):
+        assert math.isclose(out.logprobs[i], ref[i, t].item(), rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_bad_logits_shape_is_named():
+    with pytest.raises(ValueError, match="logits"):
+        Sampler(10, "cpu")(torch.zeros(2, 10), [req()])
+    with pytest.raises(ValueError, match="logits"):
+        Sampler(10, "cpu")(torch.zeros(1, 8), [req()])

@@ -1,0 +1,159 @@
+"""The engine: model runner + scheduler + fan-out/fan-in front, driven step by step.
+
+The worker drives it with add / step / abort; `generate` is the offline call built on
+the same steps.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .events import Event, ItemResult, SampleResult
+from .front import Front
+from .kv_manager import KVManager
+from .model_runner import ModelRunner
+from .models.loader import load_tokenizer
+from .radix_cache import RadixCache
+from .req import Req
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("fanout.engine")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class Engine:
+    def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 page_size: int = 16, kv_tokens: int | None = None,
+                 kv_memory_fraction: float = 0.85, max_running: int = 256,
+                 max_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
+                 attention_backend: str = "auto"):
+        dev = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        elif isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
+            dtype = _DTYPES[dtype]
+        if page_size < 1:
+            raise ValueError("page_size: must be >= 1")
+        self.tokenizer = load_tokenizer(model)
+        self.runner = ModelRunner(model, dev, dtype, page_size, kv_tokens, kv_memory_fraction,
+                                  max_running, attention_backend)
+        cfg = self.runner.config
+        self.max_context = cfg.max_context
+        self.kv_manager = KVManager(self.runner.kv, self.runner.req_to_token,
+                                    RadixCache(self.runner.kv.allocator, enable_prefix_cache))
+        self.scheduler = Scheduler(self.runner, self.kv_manager, Sampler(cfg.vocab_size, dev),
+                                   SchedulerConfig(max_running, max_prefill_tokens))
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.front = Front(self.scheduler, self.tokenizer, self.max_context,
+                           self.runner.kv_tokens, eos)
+
+    # -- step-level interface (the worker drives these) --------------------------
+
+    def add(self, tag: Any, items: list[tuple], sampling_params, seed: int | None = None,
+            sink: Callable[[Event], None] | None = None) -> int:
+        """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
+        to sink, or are returned by step() when no sink is given. Returns the job seed."""
+        return self.front.add(tag, items, sampling_params, seed, sink)
+
+    def step(self) -> list[Event]:
+        """Run one scheduler step; return the events without a sink."""
+        self._advance()
+        out, self.front.outbox = self.front.outbox, []
+        return out
+
+    def _advance(self) -> None:
+        """One step whose sink-less events stay in the outbox for the next step() caller."""
+        self.front.collect(self.scheduler.step())
+
+    def abort(self, tag: Any) -> int:
+        """Abort every request of tag; their KV is freed now. Returns how many."""
+        return self.front.abort(tag)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.front.outbox)
+
+    def has_room(self) -> bool:
+        """Worth taking another job now: the waiting queue is short."""
+        return len(self.scheduler.waiting) < max(8, self.scheduler.cfg.max_running // 4)
+
+    def check(self) -> None:
+        """KV invariant (free + cached + in use == total)."""
+        self.scheduler.check()
+
+    # -- offline interface -------------------------------------------------------
+
+    def prompt_logits(self, input_ids: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+        """Teacher-forced logits of each prompt: (start, logits [len - start, vocab]) where
+        the first `start` positions came from the prefix cache and were not recomputed."""
+        reqs = [Req(rid=f"logits.{id(input_ids)}.{i}", input_ids=list(ids),
+                    params=SamplingParams(max_new_tokens=0), seed=0, return_prompt_logits=True)
+                for i, ids in enumerate(input_ids)]
+        for r in reqs:
+            self.scheduler.add(r)
+        while not all(r.finished for r in reqs):
+            self._advance()
+        return [(r.cached_tokens, torch.cat(r.prompt_logits)) for r in reqs]
+
+    def generate(self, prompts: list[str] | str | None = None,
+                 input_ids: list[list[int]] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 seed: int | None = None, stream: bool = False):
+        """Results in index order, or with stream=True an iterator of events in completion
+        order. The seed defaults to sampling_params.seed (of the first item)."""
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts or input_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        src = prompts if prompts is not None else input_ids
+        if not src:
+            raise ValueError("prompts: the batch is empty")
+        items = [(i, x, None) if prompts is not None else (i, None, x) for i, x in enumerate(src)]
+        sp = sampling_params or SamplingParams()
+        if seed is None:
+            seed = (sp if isinstance(sp, SamplingParams) else sp[0]).seed
+        events = self._run(items, sp, seed)
+        return events if stream else self._gather(events, len(items))
+
+    def _run(self, items, sp, seed) -> Iterator[Event]:
+        tag = object()
+        box: list[Event] = []
+        self.add(tag, items, sp, seed, sink=box.append)
+        want = sum((sp if isinstance(sp, SamplingParams) else sp[i]).n for i in range(len(items)))
+        done = 0
+        try:
+            while done < want:
+                if not box:
+                    self._advance()
+                for ev in box:
+                    done += ev.finished
+                    yield ev
+                box.clear()
+        finally:
+            if done < want:
+                self.abort(tag)
+
+    @staticmethod
+    def _gather(events, n_items: int) -> list[ItemResult]:
+        items = [ItemResult(i, []) for i in range(n_items)]
+        logprobs: dict[tuple[int, int], list[float]] = {}
+        finals = []
+        for ev in events:
+            if ev.logprobs_delta is not None:
+                logprobs.setdefault((ev.index, ev.sample), []).extend(ev.logprobs_delta)
+            if ev.finished:
+                finals.append(ev)
+        for ev in sorted(finals, key=lambda e: (e.index, e.sample)):
+            items[ev.index].samples.append(SampleResult(
+                ev.text, ev.token_ids, ev.finish_reason, ev.usage, ev.error,
+                logprobs.get((ev.index, ev.sample)), ev.matched_stop))
+        return items

@@ -1,0 +1,184 @@
+"""Fan-out / fan-in: a caller's batch becomes rid-tagged requests; their tokens come back
+as (index, sample)-tagged events.
+
+Fan-out tokenizes the batch (in one call when every item is text), gives each
+(item, sample) a rid and a seed derived from (job seed, item, sample), and for n > 1 first
+runs one max_new_tokens=0 warm-up per distinct prompt - all warm-ups in the same step - so
+the n samples find the prompt in the radix cache. Fan-in detokenizes incrementally, applies
+stop strings, and turns scheduler output into events in completion order.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .detokenizer import Detokenizer
+from .events import Event, Usage
+from .req import Req
+from .sampling_params import SamplingParams
+
+
+def derive_seed(job_seed: int, index: int, sample: int) -> int:
+    """Seed of sample `sample` of item `index`: the same on any machine, in any batch."""
+    h = hashlib.blake2b(f"{job_seed}:{index}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Fan-in state of one rid."""
+    req: Req
+    detok: Detokenizer
+    sink: Callable[[Event], None] | None
+    sent_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class _Warmup:
+    req: Req
+    samples: list  # Reqs to add once the warm-up has prefilled the shared prompt
+    sink: Callable[[Event], None] | None
+
+
+class Front:
+    def __init__(self, scheduler, tokenizer, max_context: int, kv_tokens: int, eos_ids):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.kv_tokens = kv_tokens
+        self.eos_ids = frozenset(eos_ids)
+        self.streams: dict[str, _Stream] = {}
+        self.warmups: dict[str, _Warmup] = {}
+        self.outbox: list[Event] = []  # events made outside a step (errors, aborts)
+        self._ids = itertools.count()
+        self.warmup_count = 0
+
+    # -- fan-out -----------------------------------------------------------------
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        """Text items in one tokenizer call; token-id items as given."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if len(texts) == len(prompts):
+            return self.tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
+        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
+                else list(p) for p in prompts]
+
+    def add(self, tag: Any, items: list[tuple], params, seed: int | None,
+            sink: Callable[[Event], None] | None) -> int:
+        """items: (index, prompt or None, input_ids or None). Returns the job seed used."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(items)} items")
+        for p in {id(p): p for p in params}.values():
+            p.validate()
+        if seed is None:
+            seed = secrets.randbits(63)
+        for index, prompt, ids in items:
+            if (prompt is None) == (ids is None):
+                raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
+        ids_list = self.tokenize([p if p is not None else ids for _, p, ids in items])
+        group = next(self._ids)
+        by_prompt: dict[tuple, _Warmup] = {}
+        for (index, _, _), ids, p in zip(items, ids_list, params):
+            error = self._check(ids, p)
+            reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
+                        seed=derive_seed(seed, index, j), eos_ids=self.eos_ids,
+                        tag=tag, index=index, sample=j) for j in range(p.n)]
+            for r in reqs:
+                self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,
+                                                              p.skip_special_tokens, ids), sink)
+            if error:
+                for r in reqs:
+                    r.finish_reason, r.error = "error", error
+                    self._emit(self._final(self.streams.pop(r.rid), ""), sink)
+            elif p.n > 1:
+                key = tuple(ids)
+                if key not in by_prompt:
+                    warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
+                               params=SamplingParams(max_new_tokens=0), seed=0, tag=tag)
+                    by_prompt[key] = _Warmup(warm, [], sink)
+                by_prompt[key].samples.extend(reqs)
+            else:
+                self.scheduler.add(reqs[0])
+        for w in by_prompt.values():  # all warm-ups join the same step
+            self.warmups[w.req.rid] = w
+            self.warmup_count += 1
+            self.scheduler.add(w.req)
+        return seed
+
+    def _check(self, ids: list[int], p: SamplingParams) -> str | None:
+        if not ids:
+            return "prompt is empty"
+        if len(ids) >= self.max_context:
+            return (f"prompt has {len(ids)} tokens; the model's context is {self.max_context} "
+                    f"(room for at least one new token is needed)")
+        if min(len(ids) + p.max_new_tokens, self.max_context) > self.kv_tokens:
+            return (f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
+                    f"the KV pool ({self.kv_tokens} tokens)")
+        return None
+
+    def abort(self, tag: Any) -> int:
+        n = 0
+        for rid, w in list(self.warmups.items()):
+            if w.req.tag == tag:
+                del self.warmups[rid]
+                self.scheduler.abort(rid)
+                for r in w.samples:
+                    r.finish_reason = "abort"
+                    self._emit(self._final(self.streams.pop(r.rid), ""), w.sink)
+                    n += 1
+        for rid, s in list(self.streams.items()):
+            if s.req.tag == tag and self.scheduler.abort(rid) is not None:
+                self._emit(self._final(self.streams.pop(rid), s.detok.flush()), s.sink)
+                n += 1
+        return n
+
+    # -- fan-in ------------------------------------------------------------------
+
+    def collect(self, result) -> None:
+        """Turn one scheduler step into events (sent to sinks or the outbox)."""
+        finished = {id(r) for r in result.finished}
+        for req, toks in result.updated:
+            s = self.streams.get(req.rid)
+            if s is None:
+                continue
+            delta, stop = s.detok.push(toks)
+            if stop is not None and not req.finished:
+                req.matched_stop = stop
+                self.scheduler.finish(req, "stop")
+                finished.add(id(req))
+            if id(req) in finished:
+                del self.streams[req.rid]
+                self._emit(self._final(s, delta + s.detok.flush(), toks), s.sink)
+            else:
+                self._emit(Event(req.tag, req.index, req.sample, delta, list(toks),
+                                 self._logprobs(s)), s.sink)
+        for req in result.finished:
+            w = self.warmups.pop(req.rid, None)
+            if w is not None:  # fan out the n samples on top of the warmed prefix
+                for r in w.samples:
+                    self.scheduler.add(r)
+            elif req.rid in self.streams and not req.output_ids:  # finished without a token
+                s = self.streams.pop(req.rid)
+                self._emit(self._final(s, s.detok.flush()), s.sink)
+
+    def _logprobs(self, s: _Stream) -> list[float] | None:
+        if not s.req.params.logprobs:
+            return None
+        out = s.req.output_logprobs[s.sent_logprobs:]
+        s.sent_logprobs = len(s.req.output_logprobs)
+        return out
+
+    def _final(self, s: _Stream, delta: str, toks=()) -> Event:
+        r = s.req
+        usage = Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))
+        return Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
+                     r.finish_reason, r.error, s.detok.text, list(r.output_ids), usage,
+                     r.matched_stop)
+
+    def _emit(self, ev: Event, sink) -> None:
+        (sink or self.outbox.append)(ev)

@@ -1,0 +1,110 @@
+"""Load a Hugging Face checkpoint (safetensors, single file or sharded) into CausalLM.
+
+The model is built on the "meta" device and its parameters are then assigned tensors read
+straight from the checkpoint in the requested dtype and device, so no throwaway random init
+and no second copy of the weights is made.
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .llama import CausalLM
+
+# Our fused parameter -> the HF parameters concatenated (along dim 0) to make it.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+
+
+def resolve_model_path(path: str) -> str:
+    """A local folder as is; anything else is taken as a Hub id and downloaded (needs network)."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"model path {path!r} is a file; expected a model folder")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                       "*.txt", "*.jinja"])
+    except Exception as e:
+        raise FileNotFoundError(f"model {path!r} is not a local folder, and fetching it from the "
+                                f"Hugging Face Hub failed: {type(e).__name__}: {e}") from e
+
+
+def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
+    """torch dtype from a dtype or a name; "auto" takes the checkpoint's (fp32 if it has none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = (cfg and cfg.dtype) or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown {dtype!r} (use one of {', '.join(DTYPES)} or 'auto')")
+    return DTYPES[dtype]
+
+
+def load_model(path: str, dtype="auto", device="cpu") -> tuple[CausalLM, ModelConfig]:
+    path = resolve_model_path(path)
+    cfg = ModelConfig.from_dir(path)
+    dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
+    weight_map = _weight_map(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg, device=device)
+    expected = model.state_dict()  # meta tensors: names and shapes only
+    missing = sorted({src for name in expected for src in _sources(name) if src not in weight_map})
+    if missing:
+        raise ValueError(f"checkpoint in {path} is missing {len(missing)} weight(s): "
+                         f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+    state = {}
+    with ExitStack() as stack:
+        files = {f: stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+                 for f in sorted(set(weight_map.values()))}
+        for name, meta in expected.items():
+            parts = [files[weight_map[src]].get_tensor(src) for src in _sources(name)]
+            w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if w.shape != meta.shape:
+                raise ValueError(f"checkpoint weight for {name!r} has shape {tuple(w.shape)}, "
+                                 f"config.json implies {tuple(meta.shape)}")
+            state[name] = w.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    return model.eval(), cfg
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+
+
+def _sources(name: str) -> list[str]:
+    """HF checkpoint names that make up our parameter `name`."""
+    hf = name if name.startswith("lm_head.") else "model." + name
+    for fused, parts in FUSED.items():
+        if f".{fused}." in hf:
+            return [hf.replace(f".{fused}.", f".{p}.") for p in parts]
+    return [hf]
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file (relative to path)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        for fname in set(weight_map.values()):
+            if not os.path.isfile(os.path.join(path, fname)):
+                raise FileNotFoundError(f"shard {os.path.join(path, fname)} listed in {index} "
+                                        "not found")
+        return weight_map
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no weights in {path}: expected {single} or {index}")
+    with safe_open(single, framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}

@@ -1,0 +1,159 @@
+"""Tiny random-weight Hugging Face models, built offline, for tests, the demo and benchmarks.
+
+`build_tiny_model` writes a folder that any HF tool and our loader accept: config.json,
+generation_config.json, safetensors weights (optionally sharded) and a byte-level BPE
+tokenizer trained in about a second on Python standard library source read from disk.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sysconfig
+
+import torch
+
+STAMP = "fanout_tiny.json"
+FORMAT = 1  # bump when the builder's output changes, so old folders are rebuilt
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# Training text for the tokenizer: stdlib modules present in every CPython install.
+CORPUS = ["textwrap.py", "string.py", "argparse.py", "json/decoder.py", "heapq.py", "bisect.py",
+          "functools.py", "dataclasses.py", "shutil.py", "csv.py", "fractions.py", "calendar.py",
+          "random.py"]
+
+
+def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
+                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                     intermediate_size: int = 128, vocab_size: int = 512,
+                     max_context: int = 1024, weight_scale: float = 4.0, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, shards: int = 1,
+                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None) -> str:
+    """Build a random-weight model of `arch` ("llama", "qwen2" or "qwen3") in `out_dir`.
+
+    Weights: embeddings ~ N(0, 1); every matrix ~ N(0, weight_scale**2 / fan_in), so each
+    projection has gain `weight_scale` and logits have a std of about `weight_scale` (large
+    enough that greedy picks are rarely near-ties); norm weights ~ U(0.5, 1.5) and biases
+    ~ N(0, 0.5), so a loader that drops or swaps them is caught. `shards > 1` saves a sharded
+    checkpoint with an index. `rope_scaling` is HF's dict ({"rope_type": "llama3", ...}).
+    Tokenizer: `<|bos|>` (prepended by encode), `<|eos|>` (also the generation eos), `<|pad|>`,
+    and a chat template "<|bos|><|role|>\ncontent<|eos|>\n...<|assistant|>\n".
+
+    Idempotent: a folder already built with the same arguments is left as is. Returns out_dir.
+    """
+    settings = dict(format=FORMAT, arch=arch, hidden_size=hidden_size, num_layers=num_layers,
+                    num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    intermediate_size=intermediate_size, vocab_size=vocab_size,
+                    max_context=max_context, weight_scale=weight_scale, seed=seed,
+                    dtype=str(dtype).removeprefix("torch."), shards=shards,
+                    tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
+    if _stamp(out_dir) == settings:
+        return out_dir
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and _stamp(out_dir) is None:
+        raise ValueError(f"out_dir {out_dir!r} is not empty and was not made by build_tiny_model")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size must be at least 300 (256 bytes + merges), got {vocab_size}")
+
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = _tokenizer(vocab_size)
+    tokenizer.save_pretrained(tmp)
+    model = _model(settings, tokenizer, dtype)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A shard holds at least one tensor, so this gives about `shards` files.
+    model.save_pretrained(tmp, max_shard_size=size // shards + 1 if shards > 1 else "50GB")
+    with open(os.path.join(tmp, STAMP), "w") as f:
+        json.dump(settings, f)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:  # another process built the same folder first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _stamp(out_dir) != settings:
+            raise
+    return out_dir
+
+
+def _stamp(out_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(out_dir, STAMP)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _model(s: dict, tokenizer, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if s["arch"] not in configs:
+        raise ValueError(f"arch: unknown {s['arch']!r} (use one of {', '.join(configs)})")
+    kw = dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
+              num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
+              intermediate_size=s["intermediate_size"], vocab_size=s["vocab_size"],
+              max_position_embeddings=s["max_context"], rms_norm_eps=1e-6,
+              tie_word_embeddings=s["tie_word_embeddings"],
+              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id,
+              # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
+              rope_theta=10000.0, rope_scaling=s["rope_scaling"])
+    if s["arch"] == "qwen3":  # Qwen3Config defaults head_dim to 128, not hidden / heads
+        kw["head_dim"] = s["hidden_size"] // s["num_heads"]
+    config = configs[s["arch"]](**kw)
+    # HF's own init (all overwritten below) must not move the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(s["seed"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (s["weight_scale"] / p.shape[1] ** 0.5))
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = []
+    for name in CORPUS:
+        p = os.path.join(stdlib, name)
+        if os.path.isfile(p):
+            with open(p, encoding="utf-8") as f:
+                texts.append(f.read())
+    if not texts:
+        raise FileNotFoundError(f"no tokenizer training text found under {stdlib}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok.to_str()
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_tokenizer_json(vocab_size))
+    # Plain encode() starts with bos, like Llama; the chat template writes its own.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, chat_template=CHAT_TEMPLATE)

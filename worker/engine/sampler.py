@@ -1,0 +1,178 @@
+"""Next-token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
+
+A random row's draw depends only on (req.seed, step, vocab index): the noise comes from a
+counter-based hash, not from a torch generator, so a sample is the same whatever batch it
+runs in, in whatever order, after a retry, on CPU or CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .req import Req
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without overflowing int64.
+
+    x * c would need 64 unsigned bits, so split x into 16-bit halves:
+    x*c = lo*c + (hi*c << 16), and only c's low 16 bits survive in the second term.
+    """
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + ((hi * (c & 0xFFFF)) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (Wellons): a 32-bit bijection with good avalanche. Values stay in [0, 2**32),
+    so the int64 right shifts are logical."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: list[int], steps: list[int], device) -> torch.Tensor:
+    """[B] int64 key per (seed, step); seeds are taken mod 2**64."""
+    lo = [s & _M32 for s in seeds]
+    hi = [(s >> 32) & _M32 for s in seeds]
+    t = torch.tensor([lo, hi, steps], dtype=torch.int64, device=device)
+    k = _mix32((t[0] + 0x9E3779B9) & _M32)
+    k = _mix32(k ^ t[1])
+    return _mix32(k ^ (t[2] & _M32))
+
+
+def _col_keys(vocab_size: int, device) -> torch.Tensor:
+    return _mix32((torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x85EBCA6B) & _M32)
+
+
+def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="cpu",
+                   col_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
+    if col_keys is None:
+        col_keys = _col_keys(vocab_size, device)
+    k = _row_keys(seeds, steps, device)[:, None]
+    h = _mix32(k ^ col_keys[None, :])
+    h = _mix32((h + k) & _M32)  # second, non-xor round: rows are not xor-shifts of each other
+    # 23 bits + 0.5 is exact in float32, so u is never 0 or 1.
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log_softmax of the raw logits at each chosen token
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._col_keys = _col_keys(vocab_size, self.device)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(f"logits: expected [{len(reqs)}, V], got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits: {logits.shape[1]} columns < vocab_size {self.vocab_size}")
+        # Columns past vocab_size are padding of the lm_head and are never sampled.
+        raw = logits[:, : self.vocab_size].float()
+        logprobs = None
+        if any(r.params.logprobs for r in reqs):
+            logprobs = torch.log_softmax(raw, dim=-1)
+
+        if all(r.params.greedy and not self._needs_penalty(r) for r in reqs):
+            tokens = raw.argmax(dim=-1)  # fast path: nothing to change, nothing to draw
+        else:
+            tokens = self._sample(self.apply_penalties(raw, reqs), reqs)
+
+        out_lp = None
+        if logprobs is not None:
+            out_lp = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        return SampleOutput(tokens.tolist(), out_lp)
+
+    @staticmethod
+    def _needs_penalty(r: Req) -> bool:
+        p = r.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or len(r.output_ids) < p.min_new_tokens)
+
+    def apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Return a penalized copy of logits [B, V] (the input is left untouched)."""
+        logits = logits.clone()
+        B, V, dev = logits.shape[0], logits.shape[1], logits.device
+
+        rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+        if rep:
+            # HF semantics over prompt + output, each distinct token once.
+            rows, cols = self._scatter_index(rep, [reqs[i].input_ids + reqs[i].output_ids for i in rep])
+            seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            seen[rows, cols] = True
+            pen = torch.tensor([r.params.repetition_penalty for r in reqs],
+                               dtype=logits.dtype, device=dev)[:, None]
+            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+
+        fp = [i for i, r in enumerate(reqs)
+              if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+        if fp:
+            # OpenAI semantics over output tokens: - count * freq - (count > 0) * presence.
+            rows, cols = self._scatter_index(fp, [reqs[i].output_ids for i in fp])
+            counts = torch.zeros(B, V, dtype=logits.dtype, device=dev)
+            counts.index_put_((rows, cols), torch.ones_like(cols, dtype=logits.dtype), accumulate=True)
+            freq = torch.tensor([r.params.frequency_penalty for r in reqs], dtype=logits.dtype, device=dev)
+            pres = torch.tensor([r.params.presence_penalty for r in reqs], dtype=logits.dtype, device=dev)
+            logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
+
+        early = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        if early:
+            ends = [sorted(reqs[i].eos_ids | set(reqs[i].params.stop_token_ids)) for i in early]
+            rows, cols = self._scatter_index(early, ends)
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _scatter_index(self, rows: list[int], ids: list[list[int]]):
+        """Flat (row, col) index tensors for token lists; ids outside the vocab are dropped
+        (an eos id the lm_head does not have cannot be sampled anyway)."""
+        flat_r = [r for r, toks in zip(rows, ids) for _ in toks]
+        flat_c = [t for toks in ids for t in toks]
+        r = torch.tensor(flat_r, dtype=torch.int64)
+        c = torch.tensor(flat_c, dtype=torch.int64)
+        ok = (c >= 0) & (c < self.vocab_size)
+        return r[ok].to(self.device), c[ok].to(self.device)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not rand:
+            return tokens
+        ps = [reqs[i].params for i in rand]
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+        z = logits[rand] / temp[:, None]
+        probs = torch.softmax(z, dim=-1)
+        V = z.shape[1]
+
+        keep = probs >= torch.tensor([p.min_p for p in ps], device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        if any(p.top_k > 1 or p.top_p < 1.0 for p in ps):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in ps], device=dev)
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+            # One stable sort for all rows; ties break by token id on every device.
+            sp, idx = probs.sort(dim=-1, descending=True, stable=True)
+            rank = torch.arange(V, device=dev)[None, :]
+            in_k = rank < top_k[:, None]
+            sp = torch.where(in_k, sp, 0.0)
+            # top-p over the top-k renormalized probs; keep the smallest prefix reaching top_p.
+            before = (sp.cumsum(-1) - sp) / sp.sum(-1, keepdim=True)
+            in_p = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+            keep_sorted = in_k & in_p
+            keep &= torch.zeros_like(keep).scatter_(1, idx, keep_sorted)
+
+        # Gumbel-max in log space: argmax z - log(-log u) == argmax probs / Exp(1).
+        u = seeded_uniform([reqs[i].seed for i in rand], [len(reqs[i].output_ids) for i in rand],
+                           self.vocab_size, dev, self._col_keys)
+        score = torch.where(keep, z - torch.log(-torch.log(u)), float("-inf"))
+        tokens[rand] = score.argmax(dim=-1)
+        return tokens
