@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--items-a", type=int, default=24)
     ap.add_argument("--items-b", type=int, default=4)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", default="bench/out/engine.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -93,8 +94,11 @@ def main():
                           ("b_parallel_n8", workload_b(vocab, args.items_b, rng), 8)):
         run_ours(engine, work[:2], n)  # warm up both paths
         run_hf(hf, work[:1], n, 1)
-        t_ours = run_ours(engine, work, n)
-        t_hf = run_hf(hf, work, n, args.hf_batch)
+        t_ours = t_hf = 0.0
+        for _ in range(args.reps):  # interleaved, so machine noise hits both alike
+            engine.flush_cache()  # nothing cached from an earlier run
+            t_ours += run_ours(engine, work, n) / args.reps
+            t_hf += run_hf(hf, work, n, args.hf_batch) / args.reps
         out_tokens = n * sum(o for _, o in work)
         flops = 2 * params * (sum(len(ids) for ids, _ in work) * n + out_tokens)
         rows[name] = dict(out_tokens=out_tokens, ours_s=t_ours, hf_s=t_hf,

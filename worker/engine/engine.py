@@ -86,6 +86,10 @@ class Engine:
         """Worth taking another job now: the waiting queue is short."""
         return len(self.scheduler.waiting) < max(8, self.scheduler.cfg.max_running // 4)
 
+    def flush_cache(self) -> int:
+        """Drop every unreferenced prefix from the radix cache. Returns pages freed."""
+        return self.kv_manager.cache.evict(self.kv_manager.cache.evictable_pages)
+
     def check(self) -> None:
         """KV invariant (free + cached + in use == total)."""
         self.scheduler.check()

@@ -96,6 +96,22 @@ class KVManager:
         req.req_pool_idx, req.last_node = None, None
         req.prefix_len = req.kv_len = req.alloc_len = 0
 
+    def cache_unfinished(self, req: Req) -> None:
+        """Put req's computed prefix in the tree now (after a prefill chunk), so requests
+        admitted later share it while req still runs. req keeps it locked."""
+        aligned = req.kv_len // self.ps * self.ps
+        if not self.cache.enabled or aligned <= req.prefix_len:
+            return
+        row = req.req_pool_idx
+        ids = req.fill_ids[:aligned]
+        already = self.cache.insert(ids, self.table[row, :aligned])
+        self.alloc.free(self._pages(row, req.prefix_len, already))  # duplicates of cached pages
+        slots, node = self.cache.match_prefix(ids)
+        self.table[row, :aligned] = slots
+        self.cache.lock(node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.prefix_len = node, aligned
+
     def private_pages(self, req: Req) -> int:
         return _cdiv(req.alloc_len, self.ps) - req.prefix_len // self.ps
 

@@ -22,6 +22,9 @@ from .req import Req, ReqStatus
 class SchedulerConfig:
     max_running: int = 256  # requests holding KV at once
     max_prefill_tokens: int = 2048  # new prompt tokens per step (the chunk size)
+    # A new request sharing this many uncached tokens with one prefilling now waits a step
+    # to reuse that prefix instead of computing it again (in-batch prefix sharing).
+    shared_prefix_min: int = 32
 
 
 @dataclass(slots=True)
@@ -105,6 +108,9 @@ class Scheduler:
             if new:
                 if len(self.running) >= self.cfg.max_running or not kvm.admit(r):
                     break
+                if self._shares_prefix(r, reqs):
+                    kvm.release(r)  # wait one step and take the prefix from the cache
+                    continue
             n = min(r.extend_todo, budget)
             if kvm.pages_for(r, n) + reserve > kvm.available_pages:
                 # Not even a smaller chunk? Take what fits, else wait.
@@ -128,6 +134,14 @@ class Scheduler:
         if not reqs:
             return None
         return ScheduleBatch(reqs, lens, locs)
+
+    def _shares_prefix(self, r: Req, batch: list[Req]) -> bool:
+        """Does r share a long uncached prefix with a request prefilling in this step?"""
+        k = r.prefix_len + self.cfg.shared_prefix_min
+        if r.seq_len <= k:
+            return False
+        head = r.fill_ids[:k]
+        return any(len(x.input_ids) >= k and x.fill_ids[:k] == head for x in batch)
 
     def step(self) -> StepResult:
         batch = self._schedule()
@@ -157,6 +171,8 @@ class Scheduler:
                 last = row
                 row += 1
             r.kv_len += n
+            if n > 1:
+                self.kvm.cache_unfinished(r)
             if not complete:
                 continue
             if len(r.output_ids) >= r.params.max_new_tokens:
