@@ -151,3 +151,27 @@ def test_bad_params_named():
         SamplingParams(top_p=0).validate()
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=-1).validate()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_parallel_greedy_samples_match_transformers(tiny_models, page_size):
+    """n > 1 samples share the cached prompt (attended once for the group): greedy samples
+    must each equal transformers' greedy output."""
+    path = tiny_models["qwen2"]
+    hf = hf_model(path)
+    batch = prompts_ids(2, 150, 200, hf.config.vocab_size, seed=5)
+    ref = [hf_greedy(hf, ids, 10) for ids in batch]
+    eng = Engine(path, page_size=page_size)
+    out = eng.generate(input_ids=batch, sampling_params=SamplingParams(
+        max_new_tokens=10, min_new_tokens=10, temperature=0, n=3))
+    for it, want in zip(out, ref):
+        assert [s.token_ids for s in it.samples] == [want] * 3
+
+
+def test_in_batch_prefix_shared_once(llama_path):
+    """Prompts sharing an uncached prefix, admitted together, compute it once."""
+    eng = Engine(llama_path, page_size=1)
+    shared = prompts_ids(1, 300, 301, 500, seed=4)[0]
+    batch = [shared + [10 + i] * 5 for i in range(4)]
+    eng.generate(input_ids=batch, sampling_params=SamplingParams(max_new_tokens=2, temperature=0))
+    assert eng.scheduler.prefill_tokens_total == 305 + 3 * 5 + 2 * 0  # decode tokens not counted

@@ -36,6 +36,9 @@ class ForwardBatch:
     # Rows of [T] whose logits the runner computes: the last new token of each request,
     # or every new token for requests that asked for prompt logits.
     logits_idx: torch.Tensor | None = None
+    # One-token rows that borrowed the same cached prefix (same slots): (row ids, prefix len).
+    # Backends may attend to that prefix once for the whole group (n > 1 samples).
+    shared_prefixes: list | None = None
 
     @property
     def batch_size(self) -> int:
@@ -48,10 +51,12 @@ class ForwardBatch:
 
 @dataclass(slots=True)
 class ScheduleBatch:
+    SHARED_PREFIX_MIN = 64  # shorter shared prefixes are not worth a separate pass
+
     """The requests of one step and how many new tokens each runs (slots already allocated)."""
     reqs: list  # list[Req]
     extend_lens: list[int]
-    out_cache_loc: list  # per request, its new tokens' slots (tensors)
+    out_cache_loc: list  # slot tensors, concatenated in request order (decodes in one)
 
     def needs_logits(self, i: int) -> bool:
         r = self.reqs[i]
@@ -74,6 +79,10 @@ class ScheduleBatch:
                 logit_rows.append(t + n - 1)
             t += n
         mode = ForwardMode.DECODE if all(n == 1 for n in self.extend_lens) else ForwardMode.EXTEND
+        groups: dict[int, tuple[int, list[int]]] = {}
+        for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
+            if n == 1 and r.prefix_len >= self.SHARED_PREFIX_MIN:
+                groups.setdefault(id(r.last_node), (r.prefix_len, []))[1].append(i)
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
@@ -85,4 +94,5 @@ class ScheduleBatch:
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
-            logits_idx=tensor(logit_rows))
+            logits_idx=tensor(logit_rows),
+            shared_prefixes=[(rows, p) for p, rows in groups.values() if len(rows) > 1])

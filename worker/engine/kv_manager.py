@@ -72,6 +72,26 @@ class KVManager:
         req.alloc_len = end
         return slots
 
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot each for a decode step, in one vectorized update of the table."""
+        fresh = [r for r in reqs if r.alloc_len % self.ps == 0]  # these start a new page
+        if len(fresh) > self.alloc.num_free:
+            self.cache.evict(len(fresh) - self.alloc.num_free)
+        pages = self.alloc.alloc(len(fresh))
+        if pages is None:
+            return None
+        dev = self.table.device
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+        pos = torch.tensor([r.alloc_len for r in reqs], device=dev)
+        slots = self.table[rows, (pos - 1).clamp(min=0)] + 1
+        if fresh:
+            at = torch.tensor([r.alloc_len % self.ps == 0 for r in reqs], device=dev)
+            slots[at] = torch.tensor(pages, device=dev) * self.ps
+        self.table[rows, pos] = slots
+        for r in reqs:
+            r.alloc_len += 1
+        return slots
+
     def _pages(self, row: int, start: int, end: int) -> list[int]:
         """Pages of the row's positions [start, end), start page-aligned."""
         if end <= start:

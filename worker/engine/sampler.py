@@ -16,13 +16,10 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), without overflowing int64.
-
-    x * c would need 64 unsigned bits, so split x into 16-bit halves:
-    x*c = lo*c + (hi*c << 16), and only c's low 16 bits survive in the second term.
-    """
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + ((hi * (c & 0xFFFF)) << 16)) & _M32
+    """(x * c) mod 2**32 for int64 x in [0, 2**32). The int64 product may wrap around, but
+    wrapping is modulo 2**64, so its low 32 bits are still exact (checked in tests against
+    Python integers)."""
+    return (x * c) & _M32
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,10 @@ class Scheduler:
             self._retract(victim)
             if victim in decodes:
                 decodes.remove(victim)
-        for r in decodes:
-            locs.append(kvm.alloc_extend(r, 1))
-            reqs.append(r)
-            lens.append(1)
+        if decodes:
+            locs.append(kvm.alloc_decode(decodes))
+            reqs.extend(decodes)
+            lens.extend([1] * len(decodes))
         # 2. Prefill: continue chunked requests, then admit waiting ones, within the budget.
         budget = self.cfg.max_prefill_tokens
         # Keep a page per running request free so the next decode step rarely retracts.

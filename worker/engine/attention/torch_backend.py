@@ -25,8 +25,19 @@ class _Decode:
 
 
 @dataclass(slots=True)
+class _Shared:
+    """One-token rows that share a cached prefix: the prefix K/V is gathered once for all."""
+    rows: torch.Tensor  # [r] positions in [T]
+    prefix: torch.Tensor  # [p] slots of the shared prefix
+    suffix: torch.Tensor  # [r * Ls] each row's own slots after the prefix, padded
+    mask: torch.Tensor  # [r, 1, 1, Ls]
+    suffix_len: int  # Ls
+
+
+@dataclass(slots=True)
 class _Meta:
     dec: list  # list[_Decode]: one batched call each
+    shared: list  # list[_Shared]
     # Multi-token rows: (start in [T], new tokens, KV slots [seq], causal mask [G*n, seq]).
     ext: list
 
@@ -50,8 +61,18 @@ class TorchBackend(AttentionBackend):
         dec, ext = [], []
         for i, n in enumerate(fb.extend_lens_cpu):
             (dec if n == 1 else ext).append(i)
-        meta = _Meta([], [])
+        meta = _Meta([], [], [])
         group = self.num_heads // self.num_kv_heads
+        grouped = set()
+        for ids, p in fb.shared_prefixes or ():
+            grouped.update(ids)
+            rtt = fb.req_to_token[fb.req_pool_indices[ids]]
+            Ls = max(fb.seq_lens_cpu[i] for i in ids) - p
+            suffix = rtt[:, p:p + Ls]
+            mask = torch.arange(p, p + Ls, device=rtt.device)[None, :] < fb.seq_lens[ids][:, None]
+            meta.shared.append(_Shared(fb.extend_start_loc[ids], rtt[0, :p], suffix.reshape(-1),
+                                       mask[:, None, None, :], Ls))
+        dec = [i for i in dec if i not in grouped]
         if dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
                 ids = [dec[j] for j in bucket]
@@ -85,6 +106,8 @@ class TorchBackend(AttentionBackend):
             vd = vc2.index_select(0, d.slots).view(B, L, Hkv, D).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.rows] = o.reshape(B, Hkv * G, D)
+        for g in m.shared:
+            out[g.rows] = self._shared(q[g.rows], kc2, vc2, g, Hkv, G, D)
         for start, n, slots, mask in m.ext:
             s = slots.shape[0]
             # [n, Hq, D] -> [Hkv, G * n, D]: each KV head's G query heads, n tokens each.
@@ -94,3 +117,21 @@ class TorchBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale)
             out[start:start + n] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hkv * G, D)
         return out
+
+    def _shared(self, q, kc2, vc2, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
+        """Exact softmax attention over [shared prefix ; own suffix], prefix read once."""
+        r, p, Ls = q.shape[0], g.prefix.shape[0], g.suffix_len
+        f32 = torch.float32
+        qf = q.view(r, Hkv, G, D).to(f32)
+        kp = kc2.index_select(0, g.prefix).view(p, Hkv, D).permute(1, 2, 0).to(f32)  # [Hkv, D, p]
+        vp = vc2.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).to(f32)  # [Hkv, p, D]
+        ks = kc2.index_select(0, g.suffix).view(r, Ls, Hkv, D).permute(0, 2, 3, 1).to(f32)
+        vs = vc2.index_select(0, g.suffix).view(r, Ls, Hkv, D).transpose(1, 2).to(f32)
+        sp = qf.transpose(0, 1).reshape(Hkv, r * G, D) @ kp * self.scale  # [Hkv, r*G, p]
+        ss = (qf @ ks * self.scale).masked_fill_(~g.mask, float("-inf"))  # [r, Hkv, G, Ls]
+        m = torch.maximum(sp.amax(-1).view(Hkv, r, G).transpose(0, 1), ss.amax(-1))  # [r, Hkv, G]
+        ep = torch.exp(sp - m.transpose(0, 1).reshape(Hkv, r * G, 1))
+        es = torch.exp(ss - m[..., None])
+        denom = ep.sum(-1).view(Hkv, r, G).transpose(0, 1) + es.sum(-1)
+        o = (ep @ vp).view(Hkv, r, G, D).transpose(0, 1) + es @ vs
+        return (o / denom[..., None]).reshape(r, Hkv * G, D).to(q.dtype)
