@@ -41,7 +41,7 @@ def workload_a(vocab, n, rng):
             for _ in range(n)]
 
 
-def workload_b(vocab, n, rng, prefix=448, suffix=16, out=64):
+def workload_b(vocab, n, rng, prefix=768, suffix=32, out=64):
     shared = [rng.randrange(3, vocab) for _ in range(prefix)]
     return [(shared + [rng.randrange(3, vocab) for _ in range(suffix)], out) for _ in range(n)]
 

@@ -20,6 +20,11 @@ class Detokenizer:
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError("stop: must be non-empty strings")
         self.tokenizer = tokenizer
+        # The Rust tokenizer decodes the same text without transformers' per-call Python
+        # layers, when transformers has no clean-up step of its own to apply.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._fast = (backend.decode if backend is not None
+                      and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None)
         self.stop = list(stop)
         self.skip_special_tokens = skip_special_tokens
         # Prompt tokens only give the first output tokens their left context.
@@ -71,6 +76,8 @@ class Detokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, new: str) -> None:

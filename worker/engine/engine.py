@@ -32,7 +32,9 @@ class Engine:
                  page_size: int = 16, kv_tokens: int | None = None,
                  kv_memory_fraction: float = 0.85, max_running: int = 256,
                  max_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", cuda_graph: bool = True,
+                 cuda_graph_max_bs: int | None = None,
+                 cuda_graph_batch_sizes: list[int] | None = None):
         dev = torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -44,7 +46,8 @@ class Engine:
             raise ValueError("page_size: must be >= 1")
         self.tokenizer = load_tokenizer(model)
         self.runner = ModelRunner(model, dev, dtype, page_size, kv_tokens, kv_memory_fraction,
-                                  max_running, attention_backend)
+                                  max_running, attention_backend, max_prefill_tokens,
+                                  cuda_graph, cuda_graph_max_bs, cuda_graph_batch_sizes)
         cfg = self.runner.config
         self.max_context = cfg.max_context
         self.kv_manager = KVManager(self.runner.kv, self.runner.req_to_token,

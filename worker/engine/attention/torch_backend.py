@@ -26,12 +26,12 @@ class _Decode:
 
 @dataclass(slots=True)
 class _Shared:
-    """One-token rows that share a cached prefix: the prefix K/V is gathered once for all."""
+    """One-token rows that share a cached prefix. Their queries attend in one call to
+    [prefix ; suffix of row 0 ; suffix of row 1 ; ...], each row masked to the prefix and
+    its own suffix, so the prefix K/V is gathered and read once for the whole group."""
     rows: torch.Tensor  # [r] positions in [T]
-    prefix: torch.Tensor  # [p] slots of the shared prefix
-    suffix: torch.Tensor  # [r * Ls] each row's own slots after the prefix, padded
-    mask: torch.Tensor  # [r, 1, 1, Ls]
-    suffix_len: int  # Ls
+    slots: torch.Tensor  # [p + r * Ls]
+    mask: torch.Tensor  # [r * G, p + r * Ls]
 
 
 @dataclass(slots=True)
@@ -66,12 +66,17 @@ class TorchBackend(AttentionBackend):
         grouped = set()
         for ids, p in fb.shared_prefixes or ():
             grouped.update(ids)
+            r = len(ids)
             rtt = fb.req_to_token[fb.req_pool_indices[ids]]
             Ls = max(fb.seq_lens_cpu[i] for i in ids) - p
-            suffix = rtt[:, p:p + Ls]
-            mask = torch.arange(p, p + Ls, device=rtt.device)[None, :] < fb.seq_lens[ids][:, None]
-            meta.shared.append(_Shared(fb.extend_start_loc[ids], rtt[0, :p], suffix.reshape(-1),
-                                       mask[:, None, None, :], Ls))
+            dev = rtt.device
+            own = torch.arange(p, p + Ls, device=dev)[None, :] < fb.seq_lens[ids][:, None]  # [r, Ls]
+            eye = torch.eye(r, dtype=torch.bool, device=dev)
+            block = (eye[:, :, None] & own[None, :, :]).reshape(r, r * Ls)  # row j sees suffix j
+            mask = torch.cat([torch.ones(r, p, dtype=torch.bool, device=dev), block], 1)
+            meta.shared.append(_Shared(fb.extend_start_loc[ids],
+                                       torch.cat([rtt[0, :p], rtt[:, p:p + Ls].reshape(-1)]),
+                                       mask.repeat_interleave(group, 0)))
         dec = [i for i in dec if i not in grouped]
         if dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
@@ -119,19 +124,9 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _shared(self, q, kc2, vc2, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
-        """Exact softmax attention over [shared prefix ; own suffix], prefix read once."""
-        r, p, Ls = q.shape[0], g.prefix.shape[0], g.suffix_len
-        f32 = torch.float32
-        qf = q.view(r, Hkv, G, D).to(f32)
-        kp = kc2.index_select(0, g.prefix).view(p, Hkv, D).permute(1, 2, 0).to(f32)  # [Hkv, D, p]
-        vp = vc2.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).to(f32)  # [Hkv, p, D]
-        ks = kc2.index_select(0, g.suffix).view(r, Ls, Hkv, D).permute(0, 2, 3, 1).to(f32)
-        vs = vc2.index_select(0, g.suffix).view(r, Ls, Hkv, D).transpose(1, 2).to(f32)
-        sp = qf.transpose(0, 1).reshape(Hkv, r * G, D) @ kp * self.scale  # [Hkv, r*G, p]
-        ss = (qf @ ks * self.scale).masked_fill_(~g.mask, float("-inf"))  # [r, Hkv, G, Ls]
-        m = torch.maximum(sp.amax(-1).view(Hkv, r, G).transpose(0, 1), ss.amax(-1))  # [r, Hkv, G]
-        ep = torch.exp(sp - m.transpose(0, 1).reshape(Hkv, r * G, 1))
-        es = torch.exp(ss - m[..., None])
-        denom = ep.sum(-1).view(Hkv, r, G).transpose(0, 1) + es.sum(-1)
-        o = (ep @ vp).view(Hkv, r, G, D).transpose(0, 1) + es @ vs
-        return (o / denom[..., None]).reshape(r, Hkv * G, D).to(q.dtype)
+        r, n = q.shape[0], g.slots.shape[0]
+        qs = q.view(r, Hkv, G, D).transpose(0, 1).reshape(Hkv, r * G, D)
+        k = kc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).to(q.dtype)
+        v = vc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=self.scale)
+        return o.view(Hkv, r, G, D).transpose(0, 1).reshape(r, Hkv * G, D)

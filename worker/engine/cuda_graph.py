@@ -1,0 +1,130 @@
+"""CUDA graphs for decode: one captured forward pass (model + logits, not sampling) per batch size.
+
+A decode batch of B requests runs as the smallest captured size bs >= B. Its inputs are copied
+into static buffers; rows B..bs are padding: token 0 at position 0, seq_len 1, out_cache_loc 0
+and req_pool_idx = the runner's scratch row, whose slots are all 0, so padded rows write and
+read only slot 0 of the scratch page, never a request's KV. Larger batches and EXTEND batches
+run eagerly. All graphs share one memory pool (captured largest first, so the smaller ones reuse
+its blocks) and write their logits into one static buffer, so graph memory is about one decode
+forward at the largest size plus that buffer.
+
+Without capture (on a CPU) `run` pads the same way and runs the padded batch eagerly; the tests
+check the padding through that path.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .batch import ForwardBatch, ForwardMode
+
+# Rows of the static input buffer, in order.
+FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
+
+
+def batch_sizes(max_bs: int | None, sizes: list[int] | None, max_running: int) -> list[int]:
+    """The sizes to capture: `sizes` if given, else 1, 2, 4 and every multiple of 8 up to
+    max_bs (default: max_running, at most 256). Raises ValueError naming the bad option."""
+    if max_bs is not None and max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {max_bs}")
+    if max_bs is not None and max_bs > max_running:
+        raise ValueError(f"cuda_graph_max_bs: {max_bs} exceeds max_running {max_running} "
+                         "(no batch gets that big)")
+    if sizes is not None:
+        sizes = sorted(set(sizes))
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes: expected positive ints, got {sizes}")
+        limit = max_bs if max_bs is not None else max_running
+        if sizes[-1] > limit:
+            name = "cuda_graph_max_bs" if max_bs is not None else "max_running"
+            raise ValueError(f"cuda_graph_batch_sizes: {sizes[-1]} exceeds {name} {limit}")
+        return sizes
+    if max_bs is None:
+        max_bs = min(max_running, 256)
+    return sorted({s for s in (1, 2, 4, *range(8, max_bs + 1, 8)) if s <= max_bs} | {max_bs})
+
+
+def pick_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` that holds n rows, or None if none does."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, sizes: list[int], capture: bool = True, kv=None):
+        """runner: the ModelRunner (model, attention backend, req_to_token, scratch_row);
+        kv: the KV pool the graphs bind (default runner.kv)."""
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.max_bs = self.sizes[-1]
+        dev = runner.device
+        self.buf = torch.zeros(len(FIELDS), self.max_bs, dtype=torch.int64, device=dev)
+        self.pad = torch.tensor([0, 0, 0, runner.scratch_row, 1, 0], dtype=torch.int64,
+                                device=dev)[:, None]  # a padded row's value of each field
+        self.buf[:] = self.pad
+        self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
+        self.arange = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
+        self.logits = torch.zeros(self.max_bs, runner.config.vocab_size, dtype=torch.float32,
+                                  device=dev)
+        self.batches = {bs: self._batch(bs, kv or runner.kv) for bs in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:
+            self._capture()
+
+    def _batch(self, bs: int, kv) -> ForwardBatch:
+        """The static ForwardBatch of size bs: views of the shared buffers."""
+        f = {name: self.buf[i, :bs] for i, name in enumerate(FIELDS)}
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, **f, extend_lens=self.ones[:bs],
+            extend_start_loc=self.arange[:bs], seq_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs, req_to_token=self.runner.req_to_token.table, kv=kv,
+            logits_idx=self.arange[:bs])
+
+    def forward(self, bs: int) -> None:
+        """Run the static batch of size bs eagerly; its logits land in self.logits[:bs]."""
+        self.logits[:bs].copy_(self.runner.forward_eager(self.batches[bs]))
+
+    def _capture(self) -> None:
+        # Capture with every row padding; a warm-up run first compiles the Triton kernels
+        # and lets cuBLAS pick its kernels outside the capture.
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self.forward(bs)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.forward(bs)
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs
+
+    def load(self, fb: ForwardBatch) -> int:
+        """Copy fb's inputs into the static buffers and pad; returns the padded size."""
+        n = fb.batch_size
+        bs = pick_size(self.sizes, n)
+        for row, name in zip(self.buf, FIELDS):
+            row[:n].copy_(getattr(fb, name))
+        if bs > n:
+            self.buf[:, n:bs] = self.pad
+        sb = self.batches[bs]
+        # Only the eager path reads the host lists (the torch backend's prepare does).
+        sb.seq_lens_cpu = fb.seq_lens_cpu + [1] * (bs - n)
+        sb.prefix_lens_cpu = fb.prefix_lens_cpu + [0] * (bs - n)
+        return bs
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [len(fb.logits_idx), vocab] float32, a view of the static buffer: valid
+        until the next run."""
+        n = fb.batch_size
+        bs = self.load(fb)
+        if self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self.forward(bs)
+        out = self.logits[:n]
+        # In decode every row wants its logits, except a 1-token chunk of a longer prompt.
+        return out if fb.logits_idx.shape[0] == n else out[fb.logits_idx]
