@@ -3,7 +3,7 @@
 On a CPU the cost is in gathering each request's K/V rows from the pool; index_select
 on a 2-D view of the pool is several times faster than fancy indexing of the 3-D one.
 Query heads are grouped by their KV head (GQA) and attended as G queries per KV head,
-so K/V are never repeated.
+so K/V are never repeated. Inputs are 4-D: torch's fused CPU kernel takes only those.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class _Shared:
 class _Meta:
     dec: list  # list[_Decode]: one batched call each
     shared: list  # list[_Shared]
-    # Multi-token rows: (start in [T], new tokens, KV slots [seq], causal mask [G*n, seq]).
+    # Multi-token rows: (start in [T], new tokens, KV slots [seq], causal mask [n, seq]).
     ext: list
 
 
@@ -92,7 +92,7 @@ class TorchBackend(AttentionBackend):
             slots = fb.req_to_token[fb.req_pool_indices[i], :s]
             q_pos = torch.arange(p, s, device=slots.device)
             mask = torch.arange(s, device=slots.device)[None, :] <= q_pos[:, None]
-            meta.ext.append((starts[i], n, slots, mask.repeat(group, 1)))
+            meta.ext.append((starts[i], n, slots, mask))
         self.meta = meta
 
     def forward(self, q, k, v, layer, fb):
@@ -115,18 +115,19 @@ class TorchBackend(AttentionBackend):
             out[g.rows] = self._shared(q[g.rows], kc2, vc2, g, Hkv, G, D)
         for start, n, slots, mask in m.ext:
             s = slots.shape[0]
-            # [n, Hq, D] -> [Hkv, G * n, D]: each KV head's G query heads, n tokens each.
-            qe = q[start:start + n].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
-            ke = kc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).to(q.dtype)
-            ve = vc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale)
-            out[start:start + n] = o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hkv * G, D)
+            qe = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ke = kc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ve = vc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=G > 1)
+            out[start:start + n] = o[0].transpose(0, 1)
         return out
 
     def _shared(self, q, kc2, vc2, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
         r, n = q.shape[0], g.slots.shape[0]
-        qs = q.view(r, Hkv, G, D).transpose(0, 1).reshape(Hkv, r * G, D)
-        k = kc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).to(q.dtype)
-        v = vc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).to(q.dtype)
+        qs = q.view(r, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, r * G, D)
+        k = kc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        v = vc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        # 4-D inputs take torch's fused CPU kernel; 3-D ones a much slower path.
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=self.scale)
         return o.view(Hkv, r, G, D).transpose(0, 1).reshape(r, Hkv * G, D)
