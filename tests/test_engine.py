@@ -175,3 +175,17 @@ def test_in_batch_prefix_shared_once(llama_path):
     batch = [shared + [10 + i] * 5 for i in range(4)]
     eng.generate(input_ids=batch, sampling_params=SamplingParams(max_new_tokens=2, temperature=0))
     assert eng.scheduler.prefill_tokens_total == 305 + 3 * 5 + 2 * 0  # decode tokens not counted
+
+
+def test_logprobs_match_transformers(tiny_models):
+    path = tiny_models["llama"]
+    hf = hf_model(path)
+    ids = prompts_ids(1, 20, 21, hf.config.vocab_size, seed=6)[0]
+    eng = Engine(path)
+    s = eng.generate(input_ids=[ids], sampling_params=SamplingParams(
+        max_new_tokens=5, min_new_tokens=5, temperature=0, logprobs=True))[0].samples[0]
+    with torch.no_grad():
+        full = torch.tensor([ids + s.token_ids])
+        ref = torch.log_softmax(hf(full).logits[0, len(ids) - 1:-1], -1)
+    want = ref[torch.arange(5), torch.tensor(s.token_ids)]
+    assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)

@@ -145,6 +145,8 @@ class Scheduler:
 
     def step(self) -> StepResult:
         batch = self._schedule()
+        if batch is None and not self.running:
+            self.check()  # idle: every page must be free or cached
         if batch is None:
             if self.waiting and not self.running:
                 # Nothing fits even in an empty pool: fail the head instead of spinning.
