@@ -14,7 +14,7 @@ from .events import Event, ItemResult, SampleResult
 from .front import Front
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
-from .models.loader import load_tokenizer
+from .models.loader import load_tokenizer, resolve_dtype
 from .radix_cache import RadixCache
 from .req import Req
 from .sampler import Sampler
@@ -22,10 +22,6 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("fanout.engine")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
 
 class Engine:
     def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
@@ -36,12 +32,8 @@ class Engine:
                  cuda_graph_max_bs: int | None = None,
                  cuda_graph_batch_sizes: list[int] | None = None):
         dev = torch.device(device)
-        if dtype is None:
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        elif isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"dtype: {dtype!r} is not one of {sorted(_DTYPES)}")
-            dtype = _DTYPES[dtype]
+        # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
+        dtype = resolve_dtype(dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
         if page_size < 1:
             raise ValueError("page_size: must be >= 1")
         self.tokenizer = load_tokenizer(model)
