@@ -17,6 +17,9 @@ from worker.engine.models.loader import load_model, load_tokenizer
 from worker.engine.models.rope import inv_freq
 from worker.engine.models.tiny import build_tiny_model
 
+# fp32 max abs logit difference; logits of these models span about +-15.
+TOL = 5e-4
+
 TEXTS = ["def main(argv):\n    return 0\n",
          "The quick brown fox jumps over the lazy dog, again and again, until it rests.",
          "x"]
@@ -107,13 +110,13 @@ def test_extend_then_decode_matches_hf(models, arch):
     ref = hf_logits(path, ids)
     for a, b in zip(ours, ref):
         assert a.dtype == torch.float32 and a.shape == b.shape == (b.shape[0], cfg.vocab_size)
-        assert (a - b).abs().max() < 1e-4
+        assert (a - b).abs().max() < TOL
     # One decode step on top: the greedy next token of each request.
     nxt = [[int(x[-1].argmax())] for x in ours]
     dec = s.step(nxt, ForwardMode.DECODE)
     ref = hf_logits(path, [x + y for x, y in zip(ids, nxt)])
     for a, b in zip(dec, ref):
-        assert (a[0] - b[-1]).abs().max() < 1e-4
+        assert (a[0] - b[-1]).abs().max() < TOL
 
 
 def test_chunked_prefill_and_tied_embeddings(models):
@@ -127,7 +130,7 @@ def test_chunked_prefill_and_tied_embeddings(models):
     first = s.step([x[:5] for x in ids])
     second = s.step([x[5:] for x in ids])
     for a1, a2, b in zip(first, second, hf_logits(path, ids)):
-        assert (torch.cat([a1, a2]) - b).abs().max() < 1e-4
+        assert (torch.cat([a1, a2]) - b).abs().max() < TOL
 
 
 def test_tiny_model_logits_are_not_near_ties(models):
@@ -153,7 +156,7 @@ def test_llama3_rope_scaling_matches_hf(models):
     for _ in ids:
         s.add()
     for a, b in zip(s.step(ids), hf_logits(path, ids)):
-        assert (a - b).abs().max() < 1e-4
+        assert (a - b).abs().max() < TOL
 
 
 def test_transformers4_config_layout(models, tmp_path):
@@ -173,7 +176,7 @@ def test_transformers4_config_layout(models, tmp_path):
     for _ in ids:
         s.add()
     for a, b in zip(s.step(ids), hf_logits(str(path), ids)):
-        assert (a - b).abs().max() < 1e-4
+        assert (a - b).abs().max() < TOL
 
 
 def test_sharded_checkpoint_loads(models):
@@ -184,7 +187,7 @@ def test_sharded_checkpoint_loads(models):
     ids = prompts(path)[:1]
     s = Session(model, cfg)
     s.add()
-    assert (s.step(ids)[0] - hf_logits(path, ids)[0]).abs().max() < 1e-4
+    assert (s.step(ids)[0] - hf_logits(path, ids)[0]).abs().max() < TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
