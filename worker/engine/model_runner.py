@@ -70,6 +70,7 @@ class ModelRunner:
                  page_size, self.mem["kv"] / MiB)
         self.graphs: CudaGraphRunner | None = None
         if sizes:
+            torch.cuda.empty_cache()  # capture empties the cache too: do it before measuring
             free = torch.cuda.mem_get_info(device)[0]
             t = time.perf_counter()
             self.graphs = CudaGraphRunner(self, sizes)
@@ -119,12 +120,11 @@ class ModelRunner:
         """One EXTEND forward of num_tokens new tokens (prompts of up to max_context tokens,
         in rows taken from req_to_token and given back), with logits for every token."""
         ps, table = self.page_size, self.req_to_token.table
+        # No step holds more than max_running prompts of at most max_context tokens.
+        num_tokens = min(num_tokens, self.req_to_token.num_free * self.max_context)
         lens = [min(self.max_context, num_tokens - i)
                 for i in range(0, num_tokens, self.max_context)]
         rows = [self.req_to_token.alloc() for _ in lens]
-        if None in rows:
-            raise ValueError("max_prefill_tokens: the warm-up batch needs more rows than "
-                             "max_running allows; lower max_prefill_tokens")
         slots, t = [], ps  # page 1 on: page 0 is scratch
         for row, n in zip(rows, lens):
             table[row, :n] = torch.arange(t, t + n, device=self.device)
@@ -145,7 +145,6 @@ class ModelRunner:
             extend_lens_cpu=lens, req_to_token=table, kv=kv,
             logits_idx=torch.arange(num_tokens, device=dev))
         self.forward_eager(fb)
-        torch.cuda.synchronize(dev)
         for row in rows:
             table[row].zero_()
             self.req_to_token.free(row)

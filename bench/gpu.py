@@ -1,0 +1,500 @@
+"""The GPU check, in one command: kernels on the device, greedy output with CUDA graphs on ==
+graphs off == transformers, decode step time per batch size with and without graphs, memory
+bandwidth per decode step, and throughput against transformers `generate`.
+
+    python bench/gpu.py                      # CUDA: a Qwen2.5-0.5B-shaped random model, bf16
+    python bench/gpu.py --dry-run            # CPU: a tiny model through the same code paths
+
+Writes <out>/gpu.json (every figure) and <out>/gpu.md (the tables); --out defaults to
+bench/out/gpu. Exits 1 when a correctness check fails (kernels, greedy output) or a section
+raises; the speed targets are reported, not enforced.
+
+Greedy comparisons in bf16 tolerate near-ties: where two outputs first differ, transformers'
+teacher-forced logits at that position must rate both tokens within --tie-tol logit standard
+deviations of each other, otherwise it is a mismatch. Bytes per decode step = all weights read
+once (the tied embedding is the lm_head) + every request's KV read once.
+On a CPU (--dry-run) nothing is captured: the "graphs" arm runs the graph runner's padded
+static-buffer path eagerly, and the figures are not meaningful.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+if "--dry-run" in sys.argv or not torch.cuda.is_available():  # Triton on a CPU: interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import triton  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from bench.engine import run_ours, workload_a  # noqa: E402
+from worker.engine import Engine, SamplingParams  # noqa: E402
+from worker.engine.batch import ForwardBatch, ForwardMode  # noqa: E402
+from worker.engine.cuda_graph import CudaGraphRunner, batch_sizes  # noqa: E402
+from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from worker.engine.kv_pool import KVPool  # noqa: E402
+from worker.engine.models.tiny import build_tiny_model  # noqa: E402
+
+# HBM peak by device name, bytes/s (SXM parts); --peak-tbs overrides.
+NOMINAL_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+FULL = dict(
+    model=dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+               intermediate_size=4864, vocab_size=151936, max_context=32768,
+               tie_word_embeddings=True, dtype=torch.bfloat16,  # Qwen2.5-0.5B's shape
+               weight_scale=1.0),  # gain 1 per projection: bf16 noise is not amplified much
+    dtype="bf16", kv_memory_fraction=0.5,
+    kernel_dtypes=(torch.bfloat16, torch.float16), kernel_heads=((14, 2, 64), (32, 8, 128)),
+    decode_lens=[1, 17, 300, 1024, 3000], extend=([0, 100, 2000, 0], [1000, 1, 300, 64]),
+    greedy_prompts=12, greedy_len=(16, 300), greedy_new=(16, 32),
+    step_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], step_ctx=1024, long_point=(256, 4096),
+    step_iters=30, items=256, hf_batch=64, copy_bytes=2**31)
+DRY = dict(
+    model=dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+               intermediate_size=128, vocab_size=512, max_context=1024, tie_word_embeddings=True),
+    dtype="fp32", kv_memory_fraction=0.5,
+    kernel_dtypes=(torch.float32, torch.float16), kernel_heads=((4, 2, 32),),
+    decode_lens=[1, 19, 70], extend=([0, 13, 40], [70, 1, 5]),
+    greedy_prompts=3, greedy_len=(5, 40), greedy_new=(4, 8),
+    step_sizes=[1, 2, 3], step_ctx=32, long_point=(3, 64),
+    step_iters=2, items=3, hf_batch=2, copy_bytes=2**26)
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# -- environment ---------------------------------------------------------------------------
+
+def environment(dev, cfg, peak_tbs):
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    n = cfg["copy_bytes"]
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(dev)
+    copy_bw = 2 * n * 10 / (time.perf_counter() - t)  # read + write
+    del a, b
+    nominal = peak_tbs * 1e12 if peak_tbs else next(
+        (v for k, v in NOMINAL_PEAK.items() if k in name), None)
+    return dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                copy_bw=copy_bw, nominal_peak_bw=nominal, peak_bw=nominal or copy_bw)
+
+
+# -- kernels vs their torch references on the device ---------------------------------------
+
+def _table(seq_lens, ps, gen, dev):
+    """req_to_token rows for requests of these lengths on shuffled pages (never page 0)."""
+    need = [math.ceil(n / ps) for n in seq_lens]
+    pages = (torch.randperm(sum(need) + 4, generator=gen) + 1).tolist()
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[:len(seq_lens)]
+    table = torch.zeros(len(seq_lens) + 2, max(seq_lens), dtype=torch.int64)
+    for row, n, k in zip(rows.tolist(), seq_lens, need):
+        mine = torch.tensor([pages.pop() for _ in range(k)])
+        table[row, :n] = (mine[:, None] * ps + torch.arange(ps)).flatten()[:n]
+    return table.to(dev), rows.to(dev), (sum(need) + 5) * ps
+
+
+def _close(out, ref, dtype):
+    atol, rtol = TOL[dtype]
+    err = (out.float() - ref.float()).abs()
+    return dict(max_err=err.max().item(), ok=bool((err <= atol + rtol * ref.float().abs()).all()))
+
+
+def kernel_checks(dev, cfg):
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype in cfg["kernel_dtypes"]:
+        for hq, hkv, d in cfg["kernel_heads"]:
+            for ps in (1, 16):
+                tag = dict(dtype=str(dtype).removeprefix("torch."), heads=f"{hq}/{hkv}x{d}", page=ps)
+
+                def rand(*shape):
+                    return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+                lens = cfg["decode_lens"]
+                table, rr, slots = _table(lens, ps, gen, dev)
+                kb, vb = rand(slots, hkv, d), rand(slots, hkv, d)
+                q = rand(len(lens), hq, d)
+                seq = torch.tensor(lens, device=dev)
+                out = decode_attention(q, kb, vb, table, rr, seq, d ** -0.5)
+                ref = decode_attention_ref(q, kb, vb, table, rr, seq, d ** -0.5)
+                rows.append(dict(kernel="decode_attention", **tag, **_close(out, ref, dtype)))
+
+                prefix, ext = cfg["extend"]
+                seq_lens = [p + n for p, n in zip(prefix, ext)]
+                table, rr, slots = _table(seq_lens, ps, gen, dev)
+                kb, vb = rand(slots, hkv, d), rand(slots, hkv, d)
+                q = rand(sum(ext), hq, d)
+                e = torch.tensor(ext, device=dev)
+                args = (q, kb, vb, table, rr, torch.tensor(seq_lens, device=dev), torch.cumsum(e, 0) - e, e)
+                out = extend_attention(*args, max(ext), d ** -0.5)
+                ref = extend_attention_ref(*args, d ** -0.5)
+                rows.append(dict(kernel="extend_attention", **tag, **_close(out, ref, dtype)))
+
+                loc = table[rr[2], :seq_lens[2]]
+                kv = torch.randn(len(loc), 2, hkv, d, generator=gen).to(dev)  # fp32 views, strided
+                kr, vr = kb.clone(), vb.clone()
+                store_kv(kv[:, 0], kv[:, 1], kb, vb, loc)
+                store_kv_ref(kv[:, 0], kv[:, 1], kr, vr, loc)
+                ok = torch.equal(kb, kr) and torch.equal(vb, vr)
+                rows.append(dict(kernel="store_kv", **tag, max_err=0.0 if ok else float("nan"), ok=ok))
+    sync(dev)
+    return rows
+
+
+# -- model, engine, transformers -----------------------------------------------------------
+
+def prompts(n, lo, hi, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def greedy_ours(engine, batch, max_new):
+    sps = [SamplingParams(max_new_tokens=m, min_new_tokens=m, temperature=0) for m in max_new]
+    engine.flush_cache()
+    return [it.samples[0].token_ids for it in engine.generate(input_ids=batch, sampling_params=sps)]
+
+
+@torch.no_grad()
+def greedy_hf(hf, ids, m, dev):
+    x = torch.tensor([ids], device=dev)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@torch.no_grad()
+def hf_last_logits(hf, ids, dev):
+    return hf(torch.tensor([ids], device=dev)).logits[0, -1].float()
+
+
+@torch.no_grad()
+def hf_noise(hf, ids, dev) -> float:
+    """transformers against itself: the last position's logits from one forward vs from a
+    cached prefix, max difference in logit stds (the model dtype's noise at this depth)."""
+    x = torch.tensor([ids], device=dev)
+    full = hf(x).logits[0, -1].float()
+    past = hf(x[:, :-1], use_cache=True).past_key_values
+    inc = hf(x[:, -1:], past_key_values=past, use_cache=True).logits[0, -1].float()
+    return ((full - inc).abs().max() / full.std()).item()
+
+
+def compare(a, b, batch, hf, dev, tol):
+    """Per prompt: exact, a near-tie at the first difference, or a mismatch."""
+    out = dict(exact=0, near_tie=0, mismatch=0, worst_margin=0.0)
+    for x, y, ids in zip(a, b, batch):
+        if x == y:
+            out["exact"] += 1
+            continue
+        j = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
+        if j is None:  # one stopped early: not a question of near-ties
+            out["mismatch"] += 1
+            continue
+        logits = hf_last_logits(hf, ids + x[:j], dev)
+        margin = ((logits[x[j]] - logits[y[j]]).abs() / logits.std()).item()
+        out["worst_margin"] = max(out["worst_margin"], margin)
+        out["near_tie" if margin <= tol else "mismatch"] += 1
+    return out
+
+
+def greedy_check(engine, hf, graphs, cfg, vocab, dev, tol):
+    batch = prompts(cfg["greedy_prompts"], *cfg["greedy_len"], vocab, seed=1)
+    rng = random.Random(2)
+    max_new = [rng.randrange(*cfg["greedy_new"]) for _ in batch]  # the decode batch shrinks
+    runner = engine.runner
+    runner.graphs = graphs
+    on = greedy_ours(engine, batch, max_new)
+    runner.graphs = None
+    off = greedy_ours(engine, batch, max_new)
+    runner.graphs = graphs
+    ref = [greedy_hf(hf, ids, m, dev) for ids, m in zip(batch, max_new)]
+    # Teacher-forced logits of a few prompts, relative to the logits' spread.
+    engine.flush_cache()
+    tf = engine.prompt_logits(batch[:3])
+    rel = 0.0
+    with torch.no_grad():
+        for ids, (start, logits) in zip(batch[:3], tf):
+            r = hf(torch.tensor([ids], device=dev)).logits[0, start:].float().cpu()
+            rel = max(rel, ((logits - r).abs().max() / r.std()).item())
+    noise = max(hf_noise(hf, ids, dev) for ids in batch)
+    return dict(prompts=len(batch), new_tokens=sum(max_new), tie_tol=tol, logits_rel_err=rel,
+                hf_self_noise=noise,
+                graphs_vs_eager=compare(on, off, batch, hf, dev, tol),
+                graphs_vs_hf=compare(on, ref, batch, hf, dev, tol),
+                eager_vs_hf=compare(off, ref, batch, hf, dev, tol))
+
+
+def synthetic_decode(engine, bs, ctx):
+    """A decode batch of bs requests with ctx tokens of (stale) KV each, built on the engine's
+    pools, and a function that gives the rows and pages back."""
+    runner, kv = engine.runner, engine.runner.kv
+    ps, table, dev = kv.page_size, runner.req_to_token.table, runner.device
+    pages = kv.allocator.alloc(bs * math.ceil(ctx / ps))
+    rows = [runner.req_to_token.alloc() for _ in range(bs)]
+    if pages is None or None in rows:
+        raise RuntimeError(f"no room for a {bs} x {ctx} decode batch")
+    p = torch.tensor(pages, device=dev).view(bs, -1)
+    slots = (p[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)[:, :ctx]
+    r = torch.tensor(rows, device=dev)
+    table[r, :ctx] = slots
+    full = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.full((bs,), 5, device=dev), positions=full - 1,
+        out_cache_loc=slots[:, -1].contiguous(), req_pool_indices=r, seq_lens=full,
+        prefix_lens=full - 1, extend_lens=torch.ones_like(full),
+        extend_start_loc=torch.arange(bs, device=dev), seq_lens_cpu=[ctx] * bs,
+        prefix_lens_cpu=[ctx - 1] * bs, extend_lens_cpu=[1] * bs, req_to_token=table, kv=kv,
+        logits_idx=torch.arange(bs, device=dev))
+
+    def release():
+        table[r].zero_()
+        for row in rows:
+            runner.req_to_token.free(row)
+        kv.allocator.free(pages)
+    return fb, release
+
+
+def timed(fn, iters, dev) -> float:
+    """Seconds per call, synchronizing after each as the engine does (it samples every step)."""
+    for _ in range(2):
+        fn()
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+        sync(dev)
+    return (time.perf_counter() - t) / iters
+
+
+def decode_steps(engine, cfg, env, dev):
+    runner = engine.runner
+    c = runner.config
+    tied = c.tie_word_embeddings
+    weights = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                  if tied or not n.startswith("embed_tokens"))
+    per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype)
+    engine.flush_cache()
+    rows = []
+    points = [(bs, cfg["step_ctx"]) for bs in cfg["step_sizes"]] + [tuple(cfg["long_point"])]
+    for bs, ctx in points:
+        fb, release = synthetic_decode(engine, bs, ctx)
+        try:
+            eager = timed(lambda: runner.forward_eager(fb), cfg["step_iters"], dev)
+            graph = timed(lambda: runner.forward(fb), cfg["step_iters"], dev)
+        finally:
+            release()
+        moved = weights + bs * ctx * per_token
+        rows.append(dict(bs=bs, ctx=ctx, eager_ms=eager * 1e3, graph_ms=graph * 1e3,
+                         speedup=eager / graph, bytes=moved, graph_bw=moved / graph,
+                         frac_peak=moved / graph / env["peak_bw"],
+                         frac_copy=moved / graph / env["copy_bw"]))
+    engine.check()
+    return dict(weight_bytes=weights, kv_bytes_per_token=per_token, rows=rows)
+
+
+@torch.no_grad()
+def run_hf(hf, work, batch, dev) -> float:
+    """transformers generate in static chunks of `batch`, left-padded (as bench/engine.py)."""
+    sync(dev)
+    t = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i:i + batch]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x, _ in chunk], device=dev)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x, _ in chunk], device=dev)
+        new = max(o for _, o in chunk)
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False, pad_token_id=0)
+    sync(dev)
+    return time.perf_counter() - t
+
+
+def throughput(engine, hf, cfg, vocab, dev):
+    work = workload_a(vocab, cfg["items"], random.Random(0))
+    warm = [(ids, 8) for ids, _ in work[:2]]
+    run_ours(engine, warm, 1)
+    run_hf(hf, warm, 2, dev)
+    engine.flush_cache()
+    t_ours = run_ours(engine, work, 1)
+    t_hf = run_hf(hf, work, cfg["hf_batch"], dev)
+    out = sum(o for _, o in work)
+    return dict(items=len(work), hf_batch=cfg["hf_batch"], out_tokens=out,
+                prompt_tokens=sum(len(ids) for ids, _ in work), ours_s=t_ours, hf_s=t_hf,
+                ours_tok_s=out / t_ours, hf_tok_s=out / t_hf, ratio=t_hf / t_ours)
+
+
+# -- report --------------------------------------------------------------------------------
+
+def targets(res):
+    steps = res.get("decode_steps", {}).get("rows", [])
+    bs1 = next((r for r in steps if r["bs"] == 1), None)
+    big = [r for r in steps if r["bs"] >= 64] or steps
+    best = max(big, key=lambda r: r["frac_peak"], default=None)
+    tp = res.get("throughput", {})
+    return dict(
+        graph_speedup_bs1=dict(value=bs1 and bs1["speedup"], target=2.0,
+                               met=bool(bs1 and bs1["speedup"] >= 2.0)),
+        large_batch_bw_frac=dict(value=best and best["frac_peak"], at=best and [best["bs"], best["ctx"]],
+                                 target=0.6, met=bool(best and best["frac_peak"] >= 0.6)),
+        throughput_vs_hf=dict(value=tp.get("ratio"), target=10.0, met=tp.get("ratio", 0) >= 10.0))
+
+
+PAIRS = ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf")
+
+
+def correct(res) -> bool:
+    k, g = res.get("kernels"), res.get("greedy")
+    return bool(k and all(r["ok"] for r in k) and g and all(g[p]["mismatch"] == 0 for p in PAIRS))
+
+
+def table(res) -> str:
+    env, t = res.get("env", {}), res.get("targets", {})
+    kind = "dry run, figures not meaningful" if res["dry_run"] else "measured"
+    lines = [f"# GPU check: {env.get('device')} ({kind})", "",
+             f"torch {env.get('torch')}, triton {env.get('triton')}; copy bandwidth "
+             f"{env.get('copy_bw', 0) / 1e12:.2f} TB/s; peak used {env.get('peak_bw', 0) / 1e12:.2f} TB/s",
+             "", "| check | result | target |", "|---|---|---|"]
+    row = lines.append
+    if "kernels" in res:
+        k = res["kernels"]
+        row(f"| kernels vs torch references on the device | {sum(r['ok'] for r in k)}/{len(k)} ok | all |")
+    if "greedy" in res:
+        g = res["greedy"]
+        for p in PAIRS:
+            c = g[p]
+            row(f"| greedy {p.replace('_', ' ')} ({g['prompts']} prompts) | {c['exact']} exact, "
+                f"{c['near_tie']} near-tie, {c['mismatch']} mismatch | no mismatch |")
+        row(f"| teacher-forced logits vs transformers | max err {g['logits_rel_err']:.3f} std "
+            f"(transformers vs itself, cached: {g['hf_self_noise']:.3f}) | - |")
+    if t.get("graph_speedup_bs1", {}).get("value"):
+        row(f"| decode step speed-up from graphs, batch 1 | {t['graph_speedup_bs1']['value']:.2f}x | >= 2x |")
+    if t.get("large_batch_bw_frac", {}).get("value"):
+        b = t["large_batch_bw_frac"]
+        row(f"| best large-batch bandwidth (bs {b['at'][0]}, ctx {b['at'][1]}) | "
+            f"{b['value']:.0%} of peak | >= 60% |")
+    if "throughput" in res:
+        tp = res["throughput"]
+        row(f"| throughput vs transformers generate ({tp['items']} items, hf batch {tp['hf_batch']}) | "
+            f"{tp['ours_tok_s']:.0f} vs {tp['hf_tok_s']:.0f} tok/s = {tp['ratio']:.1f}x | >= 10x |")
+    if "startup" in res:
+        s = res["startup"]
+        mem = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in s["mem"].items())
+        lines += ["", f"Start-up {s['seconds']:.1f} s; KV pool {s['kv_tokens']} tokens; graphs for "
+                      f"{len(s['graph_sizes'])} batch sizes; memory (MiB): {mem}"]
+    if "decode_steps" in res:
+        lines += ["", "| batch | context | eager ms | graph ms | speed-up | MB/step | TB/s | % peak |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["decode_steps"]["rows"]:
+            row(f"| {r['bs']} | {r['ctx']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
+                f"{r['speedup']:.2f}x | {r['bytes'] / 1e6:.0f} | {r['graph_bw'] / 1e12:.3f} | "
+                f"{r['frac_peak']:.0%} |")
+    if res["errors"]:
+        lines += ["", "Errors: " + "; ".join(f"{k}: {v.strip().splitlines()[-1]}"
+                                             for k, v in res["errors"].items())]
+    lines += ["", f"Total {res['seconds']:.0f} s: "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in res["section_s"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench/out/gpu"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, same code paths")
+    ap.add_argument("--model-dir", default=None, help="where the random model is built (cached)")
+    ap.add_argument("--items", type=int, default=None, help="throughput workload size")
+    ap.add_argument("--hf-batch", type=int, default=None)
+    ap.add_argument("--peak-tbs", type=float, default=None, help="HBM peak in TB/s (default: by name)")
+    ap.add_argument("--tie-tol", type=float, default=0.15, help="near-tie margin, in logit stds")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = dict(DRY if args.dry_run else FULL)
+    if args.items:
+        cfg["items"] = args.items
+    if args.hf_batch:
+        cfg["hf_batch"] = args.hf_batch
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on a CPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    torch.manual_seed(0)
+    res = dict(dry_run=args.dry_run, config={k: v for k, v in cfg.items() if k != "kernel_dtypes"},
+               section_s={}, errors={})
+    res["config"]["model"] = {k: str(v) for k, v in cfg["model"].items()}
+    t0 = time.perf_counter()
+    state = {}
+
+    def section(name, fn):
+        print(f"== {name}", flush=True)
+        t = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception:
+            res["errors"][name] = traceback.format_exc()
+            print(res["errors"][name], file=sys.stderr, flush=True)
+        res["section_s"][name] = time.perf_counter() - t
+
+    section("env", lambda: environment(dev, cfg, args.peak_tbs))
+    section("kernels", lambda: kernel_checks(dev, cfg))
+    model_dir = args.model_dir or os.path.join(
+        ROOT, "bench/out", "gpu-model-dry" if args.dry_run else "gpu-model")
+    section("model", lambda: dict(path=build_tiny_model(model_dir, **cfg["model"])))
+
+    def startup():
+        t = time.perf_counter()
+        engine = Engine(model_dir, device=dev.type, dtype=cfg["dtype"],
+                        kv_memory_fraction=cfg["kv_memory_fraction"])
+        sync(dev)
+        state["engine"] = engine
+        runner = engine.runner
+        # On a CPU nothing is captured: the same padded static-buffer path runs eagerly.
+        state["graphs"] = runner.graphs or CudaGraphRunner(
+            runner, batch_sizes(None, None, engine.scheduler.cfg.max_running), capture=False)
+        hf_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg["dtype"]]
+        state["hf"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype).to(dev).eval()
+        return dict(seconds=time.perf_counter() - t, kv_tokens=runner.kv_tokens, mem=runner.mem,
+                    graph_sizes=state["graphs"].sizes, captured=bool(state["graphs"].graphs))
+
+    if "model" in res:
+        section("startup", startup)
+    if "engine" in state:
+        engine, hf, vocab = state["engine"], state["hf"], state["hf"].config.vocab_size
+        section("greedy", lambda: greedy_check(engine, hf, state["graphs"], cfg, vocab, dev, args.tie_tol))
+        engine.runner.graphs = state["graphs"]
+        if "env" in res:
+            section("decode_steps", lambda: decode_steps(engine, cfg, res["env"], dev))
+        section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
+    res["targets"] = targets(res)
+    res["correct"] = correct(res)
+    res["seconds"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    text = table(res)
+    with open(os.path.join(args.out, "gpu.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if res["correct"] and not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""bench/gpu.py --dry-run: the GPU script's code paths on a CPU with a tiny model (Triton kernels
+in the interpreter, the graph runner's padding run eagerly), so it is ready for a GPU."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.gpu import compare, greedy_hf  # noqa: E402
+
+
+def test_gpu_script_dry_run(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--dry-run", "--out", str(out),
+           "--model-dir", str(tmp_path / "model")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "gpu.json").read_text())
+    assert res["dry_run"] and res["correct"] and not res["errors"]
+    kernels = res["kernels"]
+    assert {k["kernel"] for k in kernels} == {"decode_attention", "extend_attention", "store_kv"}
+    assert len(kernels) == 12 and all(k["ok"] for k in kernels)
+    g = res["greedy"]
+    for pair in ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf"):
+        assert g[pair]["exact"] == g["prompts"] == 3, pair  # fp32 on a CPU: exact
+    assert g["logits_rel_err"] < 1e-4
+    steps = res["decode_steps"]["rows"]
+    assert [(r["bs"], r["ctx"]) for r in steps] == [(1, 32), (2, 32), (3, 32), (3, 64)]
+    assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 and r["bytes"] > res["decode_steps"]["weight_bytes"]
+               for r in steps)
+    tp = res["throughput"]
+    assert tp["out_tokens"] > 0 and tp["ours_tok_s"] > 0 and tp["hf_tok_s"] > 0
+    assert res["startup"]["graph_sizes"][0] == 1 and not res["startup"]["captured"]
+    assert set(res["targets"]) == {"graph_speedup_bs1", "large_batch_bw_frac", "throughput_vs_hf"}
+    table = (out / "gpu.md").read_text()
+    assert "dry run" in table and "| batch | context |" in table
+
+
+def test_greedy_adjudication_catches_a_wrong_token(tiny_models):
+    """The script's near-tie rule: a token transformers rates far below its own pick is a
+    mismatch, identical outputs are exact."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"], dtype=torch.float32).eval()
+    cpu = torch.device("cpu")
+    batch = [[5, 9, 11, 40], [7, 8, 100, 3, 3]]
+    ref = [greedy_hf(hf, ids, 6, cpu) for ids in batch]
+    with torch.no_grad():
+        logits = hf(torch.tensor([batch[1] + ref[1][:3]])).logits[0, -1]
+    worst = int(logits.argmin())  # far from a tie with transformers' pick
+    bad = [ref[0], ref[1][:3] + [worst] + ref[1][4:]]
+    got = compare(bad, ref, batch, hf, cpu, tol=0.15)
+    assert (got["exact"], got["near_tie"], got["mismatch"]) == (1, 0, 1)
+    assert got["worst_margin"] > 1.0
