@@ -128,11 +128,12 @@ def test_stream_rebuilds_text_and_stop_strings(llama_path):
 
 def test_too_long_prompt_fails_alone_and_abort_frees_kv(llama_path):
     eng = Engine(llama_path)
-    too_long = list(range(3, 3 + eng.max_context + 5))
-    out = eng.generate(input_ids=[[5, 6, 7], too_long],
+    too_long = [5 + i % 100 for i in range(eng.max_context + 5)]
+    out = eng.generate(input_ids=[[5, 6, 7], too_long, [5, 10**6]],
                        sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
     assert out[0].samples[0].finish_reason == "length"
     assert out[1].samples[0].finish_reason == "error" and "context" in out[1].samples[0].error
+    assert out[2].samples[0].finish_reason == "error" and "vocabulary" in out[2].samples[0].error
     # Abort mid-run: KV released at once, nothing leaks.
     eng.add("job", [(0, "hello there", None), (1, "general kenobi", None)],
             SamplingParams(max_new_tokens=200, ignore_eos=True, n=2), seed=1)

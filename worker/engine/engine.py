@@ -50,7 +50,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
-                           self.runner.kv_tokens, eos)
+                           self.runner.kv_tokens, eos, cfg.vocab_size)
 
     # -- step-level interface (the worker drives these) --------------------------
 

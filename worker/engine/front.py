@@ -44,9 +44,11 @@ class _Warmup:
 
 
 class Front:
-    def __init__(self, scheduler, tokenizer, max_context: int, kv_tokens: int, eos_ids):
+    def __init__(self, scheduler, tokenizer, max_context: int, kv_tokens: int, eos_ids,
+                 vocab_size: int):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self.max_context = max_context
         self.kv_tokens = kv_tokens
         self.eos_ids = frozenset(eos_ids)
@@ -113,6 +115,9 @@ class Front:
     def _check(self, ids: list[int], p: SamplingParams) -> str | None:
         if not ids:
             return "prompt is empty"
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
         if len(ids) >= self.max_context:
             return (f"prompt has {len(ids)} tokens; the model's context is {self.max_context} "
                     f"(room for at least one new token is needed)")

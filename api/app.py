@@ -1,0 +1,57 @@
+"""The FastAPI app. Stateless: run as many processes as you like behind one port
+(`fanout api --workers N`); all state is in Redis.
+
+    uvicorn --factory api.app:create_app       # settings from the environment (api.config)
+"""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import redis
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .config import Settings
+from .schemas import UNION_TAGS, ErrorOut, Health
+from .submit import router
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.settings = settings
+        app.state.redis = redis.Redis.from_url(settings.redis_url)
+        app.state.aredis = aioredis.Redis.from_url(settings.redis_url)
+        yield
+        await app.state.aredis.aclose()
+        app.state.redis.close()
+
+    app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, max_body_size=settings.max_body_bytes,
+                  description="Batch text generation: submit a job, follow its stream, fetch results.")
+    app.include_router(router)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        # Drop pydantic's union tags from locations: body.sampling_params.top_p, not
+        # body.sampling_params.one.top_p.
+        detail = []
+        for e in exc.errors():
+            e = {k: v for k, v in e.items() if k in ("loc", "msg", "type")}
+            e["loc"] = [p for p in e.get("loc", ()) if p not in UNION_TAGS]
+            detail.append(e)
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.get("/healthz", response_model=Health, responses={503: {"model": ErrorOut}})
+    def healthz(request: Request):
+        """Liveness: the API is up and reaches Redis."""
+        try:
+            request.app.state.redis.ping()
+        except redis.RedisError as e:
+            return JSONResponse({"detail": f"redis unreachable: {e}"}, status_code=503)
+        return {"status": "ok", "redis": "ok"}
+
+    return app

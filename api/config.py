@@ -1,0 +1,47 @@
+"""Service settings, read from the environment (the CLI's flags set the same variables)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: must be an integer, got {raw!r}") from None
+
+
+@dataclass(slots=True)
+class Settings:
+    redis_url: str = "redis://localhost:6379/0"
+    max_batch: int = 10_000  # items per job
+    max_new_tokens: int = 4096  # per sample
+    max_n: int = 64  # samples per item
+    max_body_bytes: int = 32 * 1024 * 1024
+    # A finished job's status, stream and results live this long (seconds) after it ends.
+    result_ttl: int = 7 * 24 * 3600
+    # A job running longer than this is aborted and counted as a failed attempt.
+    job_timeout: int = 24 * 3600
+    # Attempts after the first one, used when a worker dies or hits an engine error mid-job.
+    job_retries: int = 2
+    # An idle SSE connection gets a comment this often (seconds); proxies keep it open.
+    sse_keepalive: int = 15
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        d = cls()
+        return cls(
+            redis_url=os.environ.get("REDIS_URL") or d.redis_url,
+            max_batch=_int("FANOUT_MAX_BATCH", d.max_batch),
+            max_new_tokens=_int("FANOUT_MAX_NEW_TOKENS", d.max_new_tokens),
+            max_n=_int("FANOUT_MAX_N", d.max_n),
+            max_body_bytes=_int("FANOUT_MAX_BODY_BYTES", d.max_body_bytes),
+            result_ttl=_int("FANOUT_RESULT_TTL", d.result_ttl),
+            job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
+            job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
+            sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
+        )

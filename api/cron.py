@@ -1,0 +1,104 @@
+"""Recurring jobs through rq's cron scheduler (`fanout cron CONFIG.json`).
+
+    {"jobs": [
+      {"name": "nightly-eval", "cron": "0 2 * * *",
+       "job": {"prompts": ["..."], "sampling_params": {"max_new_tokens": 64}}},
+      {"name": "hourly", "interval": 3600, "file": "prompts.jsonl",
+       "sampling_params": {"temperature": 0}, "priority": "low"}
+    ]}
+
+Each entry has a `name`, a `cron` expression (local time) or an `interval` in seconds, and
+either `job` (a POST /v1/jobs body) or `file` (a JSONL batch file, read again at every run,
+relative to the config). rq's CronScheduler does the timing, heartbeats and bookkeeping
+(`rq cron` monitoring sees it); each run is submitted like a POST, JSON payload and all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from pydantic import ValidationError
+from rq import cron_job_registry
+from rq.cron import CronJob, CronScheduler
+from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY_TTL
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from . import batchfile, jobs
+from .config import Settings
+from .schemas import JobRequest
+
+
+class SubmitJob(CronJob):
+    """A cron entry that submits a Fanout job instead of enqueueing a Python call."""
+
+    def __init__(self, name: str, entry: dict, base_dir: str, settings: Settings):
+        super().__init__(queue_name=jobs.QUEUES[entry.get("priority", "normal")], func_name=jobs.JOB_FUNC,
+                         name=name, cron=entry.get("cron"), interval=entry.get("interval"))
+        self.entry, self.base_dir, self.settings = entry, base_dir, settings
+        self.request()  # fail at load, not at 2 am
+
+    def request(self) -> JobRequest:
+        e = self.entry
+        if "job" in e:
+            return JobRequest.model_validate(e["job"])
+        path = os.path.join(self.base_dir, e["file"])
+        return JobRequest.model_validate(batchfile.job_body(
+            path, e.get("sampling_params"), priority=e.get("priority", "normal")))
+
+    def enqueue(self, connection) -> Job:
+        created = jobs.submit(connection, self.request(), self.settings)
+        with connection.pipeline() as pipe:
+            pipe.zadd(self.job_history_key, {created["id"]: time.time()})
+            pipe.zremrangebyrank(self.job_history_key, 0, -(DEFAULT_CRON_JOB_HISTORY_LIMIT + 1))
+            pipe.expire(self.job_history_key, DEFAULT_CRON_JOB_HISTORY_TTL)
+            cron_job_registry.add(self.name, pipe)
+            pipe.execute()
+        return Job.fetch(created["id"], connection=connection, serializer=JSONSerializer)
+
+
+class Scheduler(CronScheduler):
+    def add(self, job: SubmitJob) -> None:
+        self._cron_jobs.append(job)
+
+
+def load(path: str, connection, settings: Settings) -> Scheduler:
+    """Parse and validate the config; errors name the entry and the field."""
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from None
+    entries = config.get("jobs") if isinstance(config, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: expected {{\"jobs\": [ ... ]}} with at least one entry")
+    scheduler = Scheduler(connection=connection)
+    scheduler.config_file = path
+    for i, e in enumerate(entries):
+        where = f"{path}: jobs[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e["name"]:
+            raise ValueError(f"{where}.name: a non-empty string is required")
+        where += f" ({e['name']})"
+        unknown = set(e) - {"name", "cron", "interval", "job", "file", "sampling_params", "priority"}
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+        if ("job" in e) == ("file" in e):
+            raise ValueError(f"{where}: give exactly one of job, file")
+        if e.get("priority", "normal") not in jobs.QUEUES:
+            raise ValueError(f"{where}.priority: one of {sorted(jobs.QUEUES)}")
+        try:
+            scheduler.add(SubmitJob(e["name"], e, os.path.dirname(os.path.abspath(path)), settings))
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{where}: {loc}: {first['msg']}") from None
+        except (ValueError, OSError) as err:
+            raise ValueError(f"{where}: {err}") from None
+    return scheduler
+
+
+def run(path: str) -> None:
+    settings = Settings.from_env()
+    load(path, redis.Redis.from_url(settings.redis_url), settings).start()

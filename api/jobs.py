@@ -1,0 +1,177 @@
+"""Jobs in Redis: submit (rq, JSON payload), look up, cancel. Used by the API routes, the
+cron scheduler and the worker, so the queue names and status mapping live here once.
+
+Queues by priority: the worker always takes from `fanout-high` first, then `fanout`, then
+`fanout-low`. Every rq job calls `worker.consumer.fanout_job` with one JSON argument, the
+job spec; the Fanout worker runs it in its engine (rq's fork-per-job path is not used).
+"""
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from redis.exceptions import WatchError
+from rq import Queue, Retry
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from results import events, keys, progress, publisher
+
+from .config import Settings
+from .schemas import JobRequest
+
+QUEUES = {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"}
+QUEUE_ORDER = [QUEUES["high"], QUEUES["normal"], QUEUES["low"]]
+JOB_FUNC = "worker.consumer.fanout_job"
+
+_STATUS = {
+    JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
+    JobStatus.READY_TO_ENQUEUE: "queued", JobStatus.RATE_LIMITED: "queued",
+    JobStatus.SCHEDULED: "scheduled", JobStatus.STARTED: "running",
+    JobStatus.FINISHED: "succeeded", JobStatus.FAILED: "failed",
+    JobStatus.CANCELED: "canceled", JobStatus.STOPPED: "canceled",
+}
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+def queue(redis, priority: str = "normal") -> Queue:
+    return Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def job_seed(req: JobRequest) -> int:
+    sp = req.sampling_params
+    if req.seed is not None:
+        return req.seed
+    if not isinstance(sp, list) and sp.seed is not None:
+        return sp.seed
+    return random.getrandbits(63)
+
+
+def spec_of(req: JobRequest, seed: int) -> dict[str, Any]:
+    """The rq job's one argument (JSON): everything the worker needs to run the job."""
+    sp = req.sampling_params
+    items = req.items if req.kind != "messages" else [[m.model_dump() for m in msgs] for msgs in req.items]
+    return {
+        "kind": req.kind,
+        "items": items,
+        "sampling_params": [p.model_dump() for p in sp] if isinstance(sp, list) else sp.model_dump(),
+        "seed": seed,
+    }
+
+
+def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None) -> dict[str, Any]:
+    """Write the job's info hash and first stream entry, then hand it to rq, in one
+    transaction. Returns the JobCreated body."""
+    job_id = job_id or new_id()
+    seed = job_seed(req)
+    if req.run_at and req.run_at.microsecond:
+        # rq schedules in whole seconds (rounding down): round up so a job never starts early.
+        req = req.model_copy(update={"run_at": req.run_at.replace(microsecond=0) + timedelta(seconds=1)})
+    ns = [p.n for p in req.params_list()]
+    status = "scheduled" if req.run_at else "queued"
+    wait = max(0, int((req.run_at - datetime.now(timezone.utc)).total_seconds())) if req.run_at else 0
+    q = queue(redis, req.priority)
+    job = q.create_job(
+        JOB_FUNC, kwargs={"spec": spec_of(req, seed)}, job_id=job_id,
+        timeout=settings.job_timeout, result_ttl=settings.result_ttl, failure_ttl=settings.result_ttl,
+        retry=Retry(max=settings.job_retries) if settings.job_retries else None,
+        description=f"fanout job: {req.size} items, {sum(ns)} samples",
+        status=JobStatus.SCHEDULED if req.run_at else JobStatus.QUEUED,
+    )
+    with redis.pipeline() as pipe:
+        pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
+        info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": seed,
+                "priority": req.priority, "metadata": json.dumps(req.metadata)}
+        if req.run_at:
+            info["run_at"] = req.run_at.isoformat()
+        pipe.hset(keys.info(job_id), mapping=info)
+        pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
+        # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
+        for k in (keys.info(job_id), keys.stream(job_id)):
+            pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
+        if req.run_at:
+            q.schedule_job(job, req.run_at, pipeline=pipe)
+        else:
+            q.enqueue_job(job, pipeline=pipe)
+        pipe.execute()
+    return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": seed, "items": req.size}
+
+
+def _text(v) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def status_of(redis, job_id: str) -> tuple[str, dict[str, str | None]]:
+    """(status, rq timestamps). The terminal status written to the stream wins; otherwise
+    rq's job status, mapped. Raises JobNotFound."""
+    fields = ("status", "created_at", "started_at", "ended_at")
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.get(keys.closed(job_id))
+        pipe.hmget(Job.key_for(job_id), fields)
+        closed, raw = pipe.execute()
+    rq = dict(zip(fields, map(_text, raw)))
+    if closed:
+        return _text(closed), rq
+    if rq["status"] is None:
+        raise JobNotFound(job_id)
+    return _STATUS[JobStatus(rq["status"])], rq
+
+
+def describe(redis, job_id: str) -> dict[str, Any]:
+    """The JobInfo body. Raises JobNotFound."""
+    status, rq = status_of(redis, job_id)
+    info = progress.read(redis, job_id)
+    if info is None:
+        raise JobNotFound(job_id)
+    error = info["error"]
+    if status == "failed" and not error:
+        # Failed outside the worker's hands (e.g. abandoned after a worker died): rq knows why.
+        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+        result = job.latest_result()
+        error = (result.exc_string or "failed").strip().splitlines()[-1] if result else "failed"
+    return {
+        "id": job_id, "status": status, "priority": info["priority"],
+        "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
+        "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
+        "error": error, "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
+        "stream": keys.stream(job_id), "run_at": info["run_at"],
+        "created_at": rq["created_at"], "started_at": rq["started_at"], "ended_at": rq["ended_at"],
+        "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
+    }
+
+
+def cancel(redis, job_id: str, settings: Settings) -> str:
+    """Request a cancel; returns the status after it. A queued or scheduled job is canceled
+    here; a running one by its worker within one engine step (it watches the flag)."""
+    status, _ = status_of(redis, job_id)
+    if status in ("succeeded", "failed", "canceled"):
+        return status
+    redis.set(keys.cancel(job_id), 1, ex=settings.job_timeout + settings.result_ttl)
+    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    with redis.pipeline() as pipe:
+        while True:
+            try:
+                # Cancel in rq only if no worker took the job meanwhile (it writes the job hash).
+                pipe.watch(job.key)
+                now_status = job.get_status(refresh=True)
+                if now_status not in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+                    pipe.reset()
+                    return _STATUS[now_status]  # running: its worker sees the flag
+                pipe.multi()
+                job.cancel(pipeline=pipe)
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    publisher.close(redis, job_id, "canceled", settings.result_ttl)
+    return "canceled"

@@ -1,0 +1,193 @@
+"""Job routes: submit, status, results, events (SSE), cancel.
+
+Every lookup goes to Redis by job id, so any API process serves any job.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import anyio
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+
+from results import events, keys, progress, publisher, store
+
+from . import jobs
+from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobRequest, ResultsPage
+
+router = APIRouter(prefix="/v1")
+
+NOT_FOUND = {404: {"model": ErrorOut, "description": "unknown (or expired) job id"}}
+STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+
+
+def _state(request: Request):
+    return request.app.state
+
+
+def _not_found(job_id: str) -> HTTPException:
+    return HTTPException(404, f"job not found: {job_id}")
+
+
+def _check_limits(req: JobRequest, settings) -> None:
+    """The limits that depend on configuration; 422 naming the field, like pydantic's."""
+    errors = []
+    if req.size > settings.max_batch:
+        errors.append({"loc": ("body", req.kind), "type": "too_long",
+                       "msg": f"{req.size} items, over the limit of {settings.max_batch} (FANOUT_MAX_BATCH)"})
+    per_item = isinstance(req.sampling_params, list)
+    for i, p in enumerate(req.params_list() if per_item else [req.sampling_params]):
+        loc = ("body", "sampling_params") + ((i,) if per_item else ())
+        if p.max_new_tokens > settings.max_new_tokens:
+            errors.append({"loc": loc + ("max_new_tokens",), "type": "less_than_equal",
+                           "msg": f"{p.max_new_tokens} is over the limit of {settings.max_new_tokens} "
+                                  "(FANOUT_MAX_NEW_TOKENS)"})
+        if p.n > settings.max_n:
+            errors.append({"loc": loc + ("n",), "type": "less_than_equal",
+                           "msg": f"{p.n} is over the limit of {settings.max_n} (FANOUT_MAX_N)"})
+        if len(errors) >= 10:
+            break
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def _replay(redis, stored: dict, body_hash: str) -> dict:
+    if stored["hash"] != body_hash:
+        raise HTTPException(409, "Idempotency-Key was used before with a different body")
+    try:
+        status, _ = jobs.status_of(redis, stored["id"])
+    except jobs.JobNotFound:
+        status = "queued"  # the first request is still enqueueing it
+    return {"id": stored["id"], "status": status, "stream": keys.stream(stored["id"]),
+            "seed": stored["seed"], "items": stored["items"]}
+
+
+@router.post("/jobs", status_code=202, response_model=JobCreated, responses={
+    409: {"model": ErrorOut, "description": "Idempotency-Key reused with a different body"},
+    413: {"description": "body over FANOUT_MAX_BODY_BYTES",
+          "content": {"text/plain": {"schema": {"type": "string", "example": "Content Too Large"}}}},
+})
+def submit(req: JobRequest, request: Request, response: Response,
+           idempotency_key: str | None = Header(None, max_length=256, description=(
+               "a retried POST with the same key (and body) returns the same job"))):
+    """Submit a batch job. Returns at once; the job runs when a worker takes it."""
+    st = _state(request)
+    _check_limits(req, st.settings)
+    job_id = None
+    if idempotency_key is not None:
+        body_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        job_id = jobs.new_id()
+        seed = jobs.job_seed(req)
+        claim = {"id": job_id, "hash": body_hash, "seed": seed, "items": req.size}
+        k = keys.idempotency(idempotency_key)
+        if not st.redis.set(k, json.dumps(claim), nx=True, ex=st.settings.result_ttl):
+            stored = st.redis.get(k)
+            if stored is not None:
+                body = _replay(st.redis, json.loads(stored), body_hash)
+                response.headers["Location"] = f"/v1/jobs/{body['id']}"
+                response.headers["Idempotent-Replayed"] = "true"
+                return body
+        req = req.model_copy(update={"seed": seed})
+    body = jobs.submit(st.redis, req, st.settings, job_id=job_id)
+    response.headers["Location"] = f"/v1/jobs/{body['id']}"
+    return body
+
+
+@router.get("/jobs/{job_id}", response_model=JobInfo, responses=NOT_FOUND)
+def get_job(job_id: str, request: Request):
+    """Status, progress (items done / total), usage, error."""
+    try:
+        return jobs.describe(_state(request).redis, job_id)
+    except jobs.JobNotFound:
+        raise _not_found(job_id) from None
+
+
+@router.get("/jobs/{job_id}/results", response_model=ResultsPage, responses=NOT_FOUND)
+def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
+                limit: int = Query(100, ge=1, le=1000)):
+    """Finished samples, by item index; `next_offset` is null on the last page."""
+    redis = _state(request).redis
+    try:
+        status, _ = jobs.status_of(redis, job_id)
+        info = progress.read(redis, job_id)
+    except jobs.JobNotFound:
+        info = None
+    if info is None:
+        raise _not_found(job_id)
+    items = store.page(redis, job_id, info["ns"], offset, limit)
+    end = offset + limit
+    return {"id": job_id, "status": status, "offset": offset, "limit": limit, "total": info["total"],
+            "next_offset": end if end < info["total"] else None, "items": items}
+
+
+@router.post("/jobs/{job_id}/cancel", status_code=202, response_model=Canceled, responses={
+    **NOT_FOUND, 409: {"model": ErrorOut, "description": "the job already ended"}})
+def cancel_job(job_id: str, request: Request):
+    """Cancel: a queued job at once; a running one within one engine step of its worker
+    (status stays `running` until then). Finished samples are kept."""
+    st = _state(request)
+    try:
+        before, _ = jobs.status_of(st.redis, job_id)
+        if before in ("succeeded", "failed", "canceled"):
+            raise HTTPException(409, f"job already {before}")
+        return {"id": job_id, "status": jobs.cancel(st.redis, job_id, st.settings)}
+    except jobs.JobNotFound:
+        raise _not_found(job_id) from None
+
+
+def _sse(entry_id: str, entry: dict) -> str:
+    return f"id: {entry_id}\nevent: {entry['type']}\ndata: {json.dumps(entry)}\n\n"
+
+
+@router.get("/jobs/{job_id}/events", responses={
+    200: {"description": "Server-sent events: one per stream entry (`id` = stream entry id, `event` = "
+                         "entry type, `data` = the entry as JSON); ends after the terminal status; a "
+                         "comment every FANOUT_SSE_KEEPALIVE seconds when idle",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **NOT_FOUND})
+async def job_events(job_id: str, request: Request,
+                     last_event_id: str | None = Header(None, description="resume after this stream id"),
+                     after: str | None = Query(None, description="same as Last-Event-ID, for clients "
+                                                                 "that cannot set headers")):
+    """Relay the job's stream from the start, or after `Last-Event-ID`."""
+    st = _state(request)
+    start = last_event_id or after or "0"
+    if not STREAM_ID.match(start):
+        raise RequestValidationError([{"loc": ("header", "last-event-id"), "type": "value_error",
+                                       "msg": f"not a stream entry id: {start!r}"}])
+    try:
+        await anyio.to_thread.run_sync(jobs.status_of, st.redis, job_id)
+    except jobs.JobNotFound:
+        raise _not_found(job_id) from None
+
+    async def relay():
+        last, key = start, keys.stream(job_id)
+        while True:
+            resp = await st.aredis.xread({key: last}, count=1000, block=st.settings.sse_keepalive * 1000)
+            if not resp:
+                yield ": keep-alive\n\n"
+                await anyio.to_thread.run_sync(_settle, st, job_id)
+                continue
+            for raw_id, fields in resp[0][1]:
+                last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+                entry = events.decode(fields)
+                yield _sse(last, entry)
+                if events.is_terminal(entry):
+                    return
+
+    return StreamingResponse(relay(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _settle(st, job_id: str) -> None:
+    """A job rq ended without a terminal stream entry (its worker died, no retries left):
+    write that entry so readers stop waiting."""
+    try:
+        status, _ = jobs.status_of(st.redis, job_id)
+    except jobs.JobNotFound:
+        return
+    if status in ("succeeded", "failed", "canceled"):
+        publisher.close(st.redis, job_id, status, st.settings.result_ttl)

@@ -1,0 +1,75 @@
+"""Stream entry format: one Redis stream per job, flat string fields so `redis-cli XREAD`
+stays readable.
+
+    type=attempt  attempt worker                      an attempt (re)starts the job
+    type=delta    index sample delta delta_ids        new text / token ids of one sample
+    type=final    index sample delta delta_ids text token_ids finish_reason usage
+                                                      the sample finished; `delta*` is the
+                                                      last piece, `text`/`token_ids` the whole
+    type=error    index sample error                  the sample failed (e.g. prompt too long)
+    type=status   status [done total failed error]    the job's status changed
+
+Rebuilding: concatenate `delta` of the delta and final entries of each (index, sample).
+An `attempt` entry after the first means a retry: drop the partial deltas of samples that
+have no final yet (the new attempt regenerates them from the start, same seed).
+Integers are decimal strings; `delta_ids`, `token_ids` and `usage` are JSON.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "status"
+TERMINAL = frozenset({"succeeded", "failed", "canceled"})
+
+_INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed"})
+_JSON = frozenset({"delta_ids", "token_ids", "usage"})
+
+
+def attempt(number: int, worker: str) -> dict[str, str]:
+    return {"type": ATTEMPT, "attempt": str(number), "worker": worker}
+
+
+def delta(index: int, sample: int, text: str, token_ids: list[int]) -> dict[str, str]:
+    return {"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
+            "delta_ids": json.dumps(token_ids)}
+
+
+def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict) -> dict[str, str]:
+    """`record` is the stored sample (see results.store.sample_record)."""
+    return {"type": FINAL, "index": str(index), "sample": str(sample), "delta": text_delta,
+            "delta_ids": json.dumps(ids_delta), "text": record["text"],
+            "token_ids": json.dumps(record["token_ids"]), "finish_reason": record["finish_reason"],
+            "usage": json.dumps(record["usage"])}
+
+
+def error(index: int, sample: int, message: str) -> dict[str, str]:
+    return {"type": ERROR, "index": str(index), "sample": str(sample), "error": message}
+
+
+def status(value: str, **extra: Any) -> dict[str, str]:
+    fields = {"type": STATUS, "status": value}
+    fields.update({k: str(v) for k, v in extra.items() if v is not None})
+    return fields
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def decode(fields: dict) -> dict[str, Any]:
+    """Stream entry fields (bytes or str) -> typed dict."""
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        k, v = _s(k), _s(v)
+        if k in _INTS:
+            out[k] = int(v)
+        elif k in _JSON:
+            out[k] = json.loads(v)
+        else:
+            out[k] = v
+    return out
+
+
+def is_terminal(entry: dict[str, Any]) -> bool:
+    return entry.get("type") == STATUS and entry.get("status") in TERMINAL

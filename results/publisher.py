@@ -1,0 +1,83 @@
+"""The worker's side of the result channel.
+
+A `Batch` collects one engine step's writes for every job and sends them in one
+MULTI/EXEC: each finished sample is HSET (and counted) before the XADD that announces
+it, so nothing is announced that is not stored. `close` writes a job's terminal status
+entry exactly once, whoever (worker or API) gets there first, and sets the expiry of
+all the job's keys.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from . import events, keys, progress, store
+
+# KEYS: closed, stream, then the other keys to expire. ARGV: ttl, status, field, value, ...
+_CLOSE = """
+if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+return id
+"""
+
+
+class Batch:
+    def __init__(self, redis):
+        self.pipe = redis.pipeline(transaction=True)
+        self.counts: defaultdict[str, Counter] = defaultdict(Counter)  # job -> progress increments
+        self.reads: list[tuple[str, tuple]] = []  # answered in the same round trip, after the writes
+
+    def attempt(self, job_id: str, number: int, worker: str) -> None:
+        self.pipe.hset(keys.info(job_id), "attempt", number)
+        self.pipe.xadd(keys.stream(job_id), events.attempt(number, worker))
+
+    def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int]) -> None:
+        self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids))
+
+    def final(self, job_id: str, index: int, sample: int, text_delta: str, ids_delta: list[int],
+              record: dict, item_done: bool, item_failed: bool) -> None:
+        store.put(self.pipe, job_id, index, sample, record)
+        progress.count_sample(self.counts[job_id], record, item_done, item_failed)
+        if record["finish_reason"] == "error":
+            entry = events.error(index, sample, record["error"] or "error")
+        else:
+            entry = events.final(index, sample, text_delta, ids_delta, record)
+        self.pipe.xadd(keys.stream(job_id), entry)
+
+    def status(self, job_id: str, value: str, **extra) -> None:
+        self.pipe.xadd(keys.stream(job_id), events.status(value, **extra))
+
+    def expire(self, job_id: str, ttl: int) -> None:
+        for k in keys.all_for(job_id):
+            self.pipe.expire(k, ttl)
+
+    def read(self, command: str, *args) -> None:
+        """Queue a read (e.g. "mget", keys) to run after the writes; send() returns its answer."""
+        self.reads.append((command, args))
+
+    def send(self) -> list:
+        """One MULTI/EXEC: readers see a step's samples, counters and entries together.
+        Returns the answers of the queued reads."""
+        for job_id, counts in self.counts.items():
+            for name, n in counts.items():
+                if n:
+                    self.pipe.hincrby(keys.info(job_id), name, n)
+        for command, args in self.reads:
+            getattr(self.pipe, command)(*args)
+        if not len(self.pipe):
+            return []
+        results = self.pipe.execute()
+        return results[len(results) - len(self.reads):]
+
+
+def close(redis, job_id: str, status: str, ttl: int, **extra) -> str | None:
+    """Write the terminal status entry once; returns its stream id, or None if the job was
+    already closed."""
+    fields = events.status(status, **extra)
+    argv = [ttl, status] + [x for kv in fields.items() for x in kv]
+    ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
+          keys.cancel(job_id)]
+    entry_id = redis.eval(_CLOSE, len(ks), *ks, *argv)
+    if entry_id is None:
+        return None
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

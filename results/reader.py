@@ -1,0 +1,62 @@
+"""Read a job's stream from any entry id (resume), and rebuild outputs from entries."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import events, keys
+
+
+def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
+           block_ms: int = 1000) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (entry id, entry) after `last_id` until the job's terminal status entry.
+    Raises TimeoutError if that takes longer than `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    key = keys.stream(job_id)
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id}: no terminal status within {timeout}s")
+        resp = redis.xread({key: last_id}, count=1000, block=block_ms)
+        for _, entries in resp or []:
+            for entry_id, fields in entries:
+                last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                entry = events.decode(fields)
+                yield last_id, entry
+                if events.is_terminal(entry):
+                    return
+
+
+@dataclass(slots=True)
+class Rebuilt:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Rebuilder:
+    """Applies stream entries in order; `outputs[(index, sample)]` holds what the stream
+    says about each sample, `status` the last job status."""
+
+    def __init__(self):
+        self.outputs: dict[tuple[int, int], Rebuilt] = {}
+        self.status: str | None = None
+
+    def apply(self, entry: dict[str, Any]) -> None:
+        kind = entry["type"]
+        if kind == events.ATTEMPT:
+            # A new attempt regenerates every unfinished sample from its start.
+            self.outputs = {k: v for k, v in self.outputs.items() if v.finish_reason}
+        elif kind == events.STATUS:
+            self.status = entry["status"]
+        elif kind in (events.DELTA, events.FINAL, events.ERROR):
+            out = self.outputs.setdefault((entry["index"], entry["sample"]), Rebuilt())
+            if kind == events.ERROR:
+                out.finish_reason, out.error = "error", entry["error"]
+                return
+            out.text += entry["delta"]
+            out.token_ids += entry["delta_ids"]
+            if kind == events.FINAL:
+                out.finish_reason = entry["finish_reason"]

@@ -1,0 +1,49 @@
+"""Finished samples, one Redis hash per job (field "index:sample" -> JSON record).
+
+The worker writes a record before it announces the sample on the stream, so
+`GET /v1/jobs/{id}/results` and a retried attempt can rely on it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import keys
+
+
+def sample_record(text: str, token_ids: list[int], finish_reason: str, usage: dict | None,
+                  error: str | None = None) -> dict[str, Any]:
+    return {"text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+            "usage": usage or {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0},
+            "error": error}
+
+
+def put(redis, job_id: str, index: int, sample: int, record: dict) -> None:
+    """HSET one record; `redis` may be a pipeline (the worker batches a step's writes)."""
+    redis.hset(keys.results(job_id), f"{index}:{sample}", json.dumps(record))
+
+
+def finished(redis, job_id: str) -> set[tuple[int, int]]:
+    """(index, sample) pairs already stored: a retried attempt skips them."""
+    out = set()
+    for field in redis.hkeys(keys.results(job_id)):
+        i, j = (field.decode() if isinstance(field, bytes) else field).split(":")
+        out.add((int(i), int(j)))
+    return out
+
+
+def page(redis, job_id: str, ns: list[int], offset: int, limit: int) -> list[dict[str, Any]]:
+    """Items [offset, offset + limit) in index order, each with its stored samples."""
+    indices = range(offset, min(offset + limit, len(ns)))
+    fields = [f"{i}:{j}" for i in indices for j in range(ns[i])]
+    values = redis.hmget(keys.results(job_id), fields) if fields else []
+    items, pos = [], 0
+    for i in indices:
+        samples = []
+        for j in range(ns[i]):
+            raw = values[pos]
+            pos += 1
+            if raw is not None:
+                samples.append({"sample": j, **json.loads(raw)})
+        items.append({"index": i, "samples": samples})
+    return items

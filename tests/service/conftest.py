@@ -1,0 +1,169 @@
+"""The whole service for end-to-end tests: a real Redis (REDIS_URL if set, else an embedded
+server), a tiny random-weight model, two API processes (any serves any job) and a worker
+process, all over real sockets. Everything waits with bounded timeouts."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis as redis_lib
+
+from worker.cli import EmbeddedRedis, free_port
+from worker.engine.models.tiny import build_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Small limits so the 422 tests can hit them; a short SSE keep-alive.
+LIMITS = {"FANOUT_MAX_BATCH": "64", "FANOUT_MAX_NEW_TOKENS": "1000", "FANOUT_MAX_N": "8",
+          "FANOUT_MAX_BODY_BYTES": "200000", "FANOUT_RESULT_TTL": "3600", "FANOUT_SSE_KEEPALIVE": "1"}
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = EmbeddedRedis()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis(redis_url):
+    client = redis_lib.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("service") / "llama"), arch="llama")
+
+
+def _env(redis_url):
+    return {**os.environ, **LIMITS, "REDIS_URL": redis_url, "PYTHONPATH": ROOT}
+
+
+class Proc:
+    def __init__(self, args, env, log_path):
+        self.log_path = log_path
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def tail(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-3000:].decode(errors="replace")
+
+
+def start_api(redis_url, log_dir, name):
+    port = free_port()
+    proc = Proc(["api", "--port", str(port), "--redis-url", redis_url], _env(redis_url),
+                str(log_dir / f"{name}.log"))
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        if not proc.alive():
+            raise RuntimeError(f"API exited:\n{proc.tail()}")
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(up, 60, "the API to answer /healthz")
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def api_pair(redis_url, tmp_path_factory):
+    """Two API processes on different ports: the API keeps no state of its own."""
+    logs = tmp_path_factory.mktemp("logs")
+    procs = [start_api(redis_url, logs, f"api{i}") for i in range(2)]
+    yield [url for _, url in procs]
+    for p, _ in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def api_url(api_pair):
+    return api_pair[0]
+
+
+class WorkerProc:
+    """The worker process; tests may stop it (SIGTERM) and start a new one."""
+
+    def __init__(self, redis_url, model_dir, log_dir):
+        self.redis_url, self.model_dir, self.log_dir = redis_url, model_dir, log_dir
+        self.count = 0
+        self.proc = None
+        self.name = None
+
+    def start(self):
+        from rq.worker import Worker
+        self.count += 1
+        self.name = f"test-worker-{os.getpid()}-{self.count}"
+        self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
+                          "--redis-url", self.redis_url, "--drain-timeout", "0"],
+                         _env(self.redis_url), str(self.log_dir / f"{self.name}.log"))
+        conn = redis_lib.Redis.from_url(self.redis_url)
+
+        def registered():
+            if not self.proc.alive():
+                raise RuntimeError(f"worker exited:\n{self.proc.tail()}")
+            w = Worker.find_by_key(Worker.redis_worker_namespace_prefix + self.name, connection=conn)
+            return w is not None and w.get_state() == "idle"
+
+        wait_for(registered, 90, "the worker to register with rq")
+        conn.close()
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        return self.proc.stop(sig)
+
+
+@pytest.fixture(scope="session")
+def worker(redis_url, model_dir, tmp_path_factory):
+    w = WorkerProc(redis_url, model_dir, tmp_path_factory.mktemp("worker-logs"))
+    w.start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir):
+    """The same model in this process: the reference the service must match."""
+    from worker.engine import Engine
+    return Engine(model_dir, device="cpu")
+
+
+@pytest.fixture
+def client(api_url, worker):
+    from results.client import Client
+    with Client(api_url) as c:
+        yield c

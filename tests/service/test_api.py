@@ -1,0 +1,143 @@
+"""The HTTP API on its own: validation, lookups, idempotency, cancel before start, OpenAPI."""
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+from rq.job import Job
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, ScheduledJobRegistry
+from rq.serializers import JSONSerializer
+
+from results import keys
+
+
+@pytest.fixture
+def http(api_url):
+    with httpx.Client(base_url=api_url, timeout=10) as c:
+        yield c
+
+
+def later(seconds=3600):
+    return (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
+
+
+BAD = [
+    ({}, ["body"], "exactly one of"),
+    ({"prompts": []}, ["body", "prompts"], "at least 1"),
+    ({"prompts": [""]}, ["body", "prompts", 0], "at least 1"),
+    ({"prompts": ["a"], "input_ids": [[1]]}, ["body"], "exactly one of"),
+    ({"input_ids": [[1, -2]]}, ["body", "input_ids", 0, 1], "greater than or equal"),
+    ({"input_ids": [[]]}, ["body", "input_ids", 0], "at least 1"),
+    ({"messages": [[{"role": "user"}]]}, ["body", "messages", 0, 0, "content"], "Field required"),
+    ({"prompts": ["a"], "temperature": 0.5}, ["body", "temperature"], "Extra inputs"),
+    ({"prompts": ["a"], "sampling_params": {"top_p": 0}}, ["body", "sampling_params", "top_p"], "greater than 0"),
+    ({"prompts": ["a"], "sampling_params": {"temperature": -1}}, ["body", "sampling_params", "temperature"],
+     "greater than or equal"),
+    ({"prompts": ["a"], "sampling_params": {"max_new_tokens": "5"}}, ["body", "sampling_params", "max_new_tokens"],
+     "valid integer"),
+    ({"prompts": ["a"], "sampling_params": {"n": 0}}, ["body", "sampling_params", "n"], "greater than or equal"),
+    ({"prompts": ["a"], "sampling_params": {"top_k": -5}}, ["body", "sampling_params", "top_k"], "-1"),
+    ({"prompts": ["a"], "sampling_params": {"bogus": 1}}, ["body", "sampling_params", "bogus"], "Extra inputs"),
+    ({"prompts": ["a", "b"], "sampling_params": [{}]}, ["body", "sampling_params"], "1 entries for 2 items"),
+    ({"prompts": ["a", "b"], "sampling_params": [{}, {"n": 0}]}, ["body", "sampling_params", 1, "n"],
+     "greater than or equal"),
+    ({"prompts": ["a"], "priority": "urgent"}, ["body", "priority"], "high"),
+    ({"prompts": ["a"], "run_at": "2030-01-01T00:00:00"}, ["body", "run_at"], "timezone"),
+    # Configured limits (conftest.LIMITS).
+    ({"prompts": ["a"] * 65}, ["body", "prompts"], "FANOUT_MAX_BATCH"),
+    ({"prompts": ["a"], "sampling_params": {"max_new_tokens": 1001}}, ["body", "sampling_params", "max_new_tokens"],
+     "FANOUT_MAX_NEW_TOKENS"),
+    ({"prompts": ["a", "b"], "sampling_params": [{}, {"n": 9}]}, ["body", "sampling_params", 1, "n"],
+     "FANOUT_MAX_N"),
+]
+
+
+@pytest.mark.parametrize("body,loc,msg", BAD, ids=[str(b[1][1:]) + b[2] for b in BAD])
+def test_bad_bodies_get_422_naming_the_field(http, body, loc, msg):
+    r = http.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    errors = r.json()["detail"]
+    assert any(e["loc"] == loc and msg in e["msg"] for e in errors), errors
+
+
+def test_body_too_large_and_not_json(http):
+    r = http.post("/v1/jobs", json={"prompts": ["x" * 250_000]})
+    assert r.status_code == 413
+    r = http.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+
+
+def test_unknown_job_is_404_everywhere(http):
+    for method, path in [("GET", "/v1/jobs/nope"), ("GET", "/v1/jobs/nope/results"),
+                         ("GET", "/v1/jobs/nope/events"), ("POST", "/v1/jobs/nope/cancel")]:
+        r = http.request(method, path)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json() == {"detail": "job not found: nope"}
+
+
+def test_scheduled_job_then_cancel_before_it_starts(http, redis, api_pair):
+    r = http.post("/v1/jobs", json={"prompts": ["a", "b"], "run_at": later(), "metadata": {"team": "x"},
+                                    "sampling_params": {"n": 3, "seed": 42}})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["status"] == "scheduled" and job["seed"] == 42 and job["items"] == 2
+    assert job["stream"] == keys.stream(job["id"])
+    # Another API process answers for the same job.
+    with httpx.Client(base_url=api_pair[1], timeout=10) as other:
+        info = other.get(f"/v1/jobs/{job['id']}").json()
+    assert info["status"] == "scheduled" and info["metadata"] == {"team": "x"}
+    assert info["progress"] == {"total": 2, "done": 0, "failed": 0, "samples": 6, "samples_done": 0}
+    rq_job = Job.fetch(job["id"], connection=redis, serializer=JSONSerializer)
+    assert rq_job.id in ScheduledJobRegistry(rq_job.origin, connection=redis)
+
+    r = http.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 202 and r.json() == {"id": job["id"], "status": "canceled"}
+    assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "canceled"
+    assert rq_job.get_status() == "canceled"
+    assert rq_job.id in CanceledJobRegistry(rq_job.origin, connection=redis)
+    assert rq_job.id not in ScheduledJobRegistry(rq_job.origin, connection=redis)
+    assert http.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
+    # The stream ends with the terminal status; SSE replays it and closes.
+    text = http.get(f"/v1/jobs/{job['id']}/events").text
+    assert text.count("event: status") == 2 and '"status": "canceled"' in text
+
+
+def test_idempotency_key_returns_the_same_job(http):
+    body = {"prompts": ["same"], "run_at": later()}
+    h = {"Idempotency-Key": "retry-me-" + later()}
+    first = http.post("/v1/jobs", json=body, headers=h)
+    again = http.post("/v1/jobs", json=body, headers=h)
+    assert first.status_code == again.status_code == 202
+    assert again.json() == first.json() and again.headers["idempotent-replayed"] == "true"
+    other = http.post("/v1/jobs", json={**body, "prompts": ["different"]}, headers=h)
+    assert other.status_code == 409
+    http.post(f"/v1/jobs/{first.json()['id']}/cancel")
+
+
+def test_openapi_documents_every_response(http):
+    spec = http.get("/openapi.json").json()
+    paths = spec["paths"]
+    assert set(paths["/v1/jobs"]["post"]["responses"]) >= {"202", "409", "413", "422"}
+    for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/results", "/v1/jobs/{job_id}/events"):
+        assert set(paths[path]["get"]["responses"]) >= {"200", "404", "422"}, path
+    assert set(paths["/v1/jobs/{job_id}/cancel"]["post"]["responses"]) >= {"202", "404", "409", "422"}
+    assert "text/event-stream" in paths["/v1/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]
+    assert http.get("/healthz").json() == {"status": "ok", "redis": "ok"}
+
+
+def test_sse_closes_a_job_rq_ended_without_a_terminal_entry(http, redis):
+    """As when a worker died and rq failed the abandoned job: the stream has no terminal
+    entry. An SSE relay idle for a keep-alive period writes it, once, and ends."""
+    job = http.post("/v1/jobs", json={"prompts": ["a"], "run_at": later()}).json()
+    rq_job = Job.fetch(job["id"], connection=redis, serializer=JSONSerializer)
+    with redis.pipeline() as pipe:  # what rq's registry cleanup records for an abandoned job
+        rq_job.set_status("failed", pipeline=pipe)
+        ScheduledJobRegistry(rq_job.origin, connection=redis).remove(rq_job, pipeline=pipe)
+        FailedJobRegistry(rq_job.origin, connection=redis).add(rq_job, ttl=60, exc_string="abandoned",
+                                                               pipeline=pipe)
+        pipe.execute()
+    text = http.get(f"/v1/jobs/{job['id']}/events").text
+    assert ": keep-alive" in text and text.rstrip().endswith('"status": "failed"}')
+    again = http.get(f"/v1/jobs/{job['id']}/events").text
+    assert again.count('"status": "failed"') == 1
+    assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "failed"

@@ -1,0 +1,66 @@
+"""The result channel against a real Redis: store-then-announce, close once, rebuild."""
+import uuid
+
+from results import events, keys, progress, publisher, reader, store
+from results.publisher import Batch
+
+
+def new_id():
+    return "t" + uuid.uuid4().hex
+
+
+def test_batch_stores_before_it_announces_and_counts(redis):
+    job = new_id()
+    redis.hset(keys.info(job), mapping={"total": 2, "samples": 2, "ns": "[1, 1]"})
+    b = Batch(redis)
+    b.attempt(job, 1, "w")
+    b.delta(job, 1, 0, "Hel", [5, 6])
+    rec = store.sample_record("Hello", [5, 6, 7], "length", {"prompt_tokens": 3, "cached_tokens": 1,
+                                                             "completion_tokens": 3})
+    b.final(job, 1, 0, "lo", [7], rec, item_done=True, item_failed=False)
+    err = store.sample_record("", [], "error", None, "prompt too long")
+    b.final(job, 0, 0, "", [], err, item_done=True, item_failed=True)
+    assert redis.xlen(keys.stream(job)) == 0  # nothing until sent, then all at once
+    b.send()
+    info = progress.read(redis, job)
+    assert (info["done"], info["failed"], info["samples_done"], info["completion_tokens"]) == (2, 1, 2, 3)
+    assert store.finished(redis, job) == {(0, 0), (1, 0)}
+    page = store.page(redis, job, [1, 1], 0, 10)
+    assert page[1]["samples"] == [{"sample": 0, **rec}] and page[0]["samples"][0]["error"] == "prompt too long"
+    entries = [events.decode(f) for _, f in redis.xrange(keys.stream(job))]
+    assert [e["type"] for e in entries] == ["attempt", "delta", "final", "error"]
+    assert entries[2]["text"] == "Hello" and entries[2]["delta"] == "lo"
+
+
+def test_close_writes_one_terminal_entry_and_sets_expiry(redis):
+    job = new_id()
+    redis.xadd(keys.stream(job), events.status("queued"))
+    first = publisher.close(redis, job, "succeeded", 100, done=1, total=1)
+    assert first is not None
+    assert publisher.close(redis, job, "failed", 100) is None
+    entries = [events.decode(f) for _, f in redis.xrange(keys.stream(job))]
+    assert entries[-1] == {"type": "status", "status": "succeeded", "done": 1, "total": 1}
+    assert len(entries) == 2 and 0 < redis.ttl(keys.stream(job)) <= 100
+
+
+def test_follow_resumes_and_rebuilder_drops_partials_of_a_new_attempt(redis):
+    job = new_id()
+    s = keys.stream(job)
+    redis.xadd(s, events.attempt(1, "a"))
+    redis.xadd(s, events.delta(0, 0, "ab", [1, 2]))
+    mid = redis.xadd(s, events.delta(1, 0, "x", [9])).decode()
+    rec = store.sample_record("abc", [1, 2, 3], "stop", None)
+    redis.xadd(s, events.final(0, 0, "c", [3], rec))
+    redis.xadd(s, events.attempt(2, "b"))  # item 1 restarts from scratch
+    redis.xadd(s, events.delta(1, 0, "y", [8]))
+    redis.xadd(s, events.final(1, 0, "z", [7], store.sample_record("yz", [8, 7], "length", None)))
+    redis.xadd(s, events.status("succeeded"))
+    everything = list(reader.follow(redis, job, timeout=5))
+    assert [i for i, _ in reader.follow(redis, job, last_id=mid, timeout=5)] == \
+        [i for i, _ in everything][3:]
+    rb = reader.Rebuilder()
+    for _, e in everything:
+        rb.apply(e)
+    assert (rb.outputs[(0, 0)].text, rb.outputs[(0, 0)].token_ids) == ("abc", [1, 2, 3])
+    assert (rb.outputs[(1, 0)].text, rb.outputs[(1, 0)].token_ids) == ("yz", [8, 7])
+    assert rb.status == "succeeded"
