@@ -335,7 +335,7 @@ def throughput(engine, hf, cfg, vocab, dev):
     run_ours(engine, warm, 1)
     run_hf(hf, warm, 2, dev)
     engine.flush_cache()
-    t_ours = run_ours(engine, work, 1)
+    t_ours, _ = run_ours(engine, work, 1)
     t_hf = run_hf(hf, work, cfg["hf_batch"], dev)
     out = sum(o for _, o in work)
     return dict(items=len(work), hf_batch=cfg["hf_batch"], out_tokens=out,

@@ -47,6 +47,7 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.num_retractions = 0
         self.prefill_tokens_total = 0  # tokens run through prefill (warm-up savings show here)
+        self.decode_tokens_total = 0
 
     def add(self, req: Req) -> None:
         self.by_rid[req.rid] = req
@@ -184,6 +185,7 @@ class Scheduler:
             sample_reqs.append(r)
             sample_rows.append(last)
         self.prefill_tokens_total += result.prefill_tokens
+        self.decode_tokens_total += result.decode_tokens
         if sample_reqs:
             out = self.sampler(logits[sample_rows].float(), sample_reqs)
             for j, (r, tok) in enumerate(zip(sample_reqs, out.token_ids)):
