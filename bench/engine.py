@@ -89,8 +89,11 @@ def main():
     ap.add_argument("--items-b", type=int, default=4)
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--json", default="bench/out/engine.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     path = bench_model(args.model_dir)
     engine = Engine(path, page_size=16)
