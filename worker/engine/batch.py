@@ -67,8 +67,7 @@ class ScheduleBatch:
         prefix, seq, starts = [], [], []
         t = 0
         for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
-            fill = r.fill_ids
-            ids.extend(fill[r.kv_len:r.kv_len + n])
+            ids.extend(r.tokens(r.kv_len, r.kv_len + n))
             pos.extend(range(r.kv_len, r.kv_len + n))
             prefix.append(r.kv_len)
             seq.append(r.kv_len + n)

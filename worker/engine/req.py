@@ -51,6 +51,15 @@ class Req:
         """Tokens whose KV the request needs: prompt + generated so far."""
         return self.input_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[:end - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
