@@ -36,9 +36,10 @@ class ForwardBatch:
     # Rows of [T] whose logits the runner computes: the last new token of each request,
     # or every new token for requests that asked for prompt logits.
     logits_idx: torch.Tensor | None = None
-    # One-token rows that borrowed the same cached prefix (same slots): (row ids, prefix len).
-    # Backends may attend to that prefix once for the whole group (n > 1 samples).
-    shared_prefixes: list | None = None
+    # One-token rows whose cached prefixes share radix-tree nodes (n > 1 samples, common
+    # system prompts): backends may attend for the whole group at once over the union of
+    # their KV, each row masked to its own. None when no such group is worth it.
+    shared: list | None = None  # list[SharedGroup]
 
     @property
     def batch_size(self) -> int:
@@ -50,9 +51,14 @@ class ForwardBatch:
 
 
 @dataclass(slots=True)
-class ScheduleBatch:
-    SHARED_PREFIX_MIN = 64  # shorter shared prefixes are not worth a separate pass
+class SharedGroup:
+    rows: list[int]  # batch indices
+    slots: torch.Tensor  # [K] the union of the rows' KV slots, each once
+    mask: torch.Tensor  # [r, K] True where the row's own sequence holds that slot
 
+
+@dataclass(slots=True)
+class ScheduleBatch:
     """The requests of one step and how many new tokens each runs (slots already allocated)."""
     reqs: list  # list[Req]
     extend_lens: list[int]
@@ -78,10 +84,6 @@ class ScheduleBatch:
                 logit_rows.append(t + n - 1)
             t += n
         mode = ForwardMode.DECODE if all(n == 1 for n in self.extend_lens) else ForwardMode.EXTEND
-        groups: dict[int, tuple[int, list[int]]] = {}
-        for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
-            if n == 1 and r.prefix_len >= self.SHARED_PREFIX_MIN:
-                groups.setdefault(id(r.last_node), (r.prefix_len, []))[1].append(i)
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
@@ -93,5 +95,49 @@ class ScheduleBatch:
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
-            logits_idx=tensor(logit_rows),
-            shared_prefixes=[(rows, p) for p, rows in groups.values() if len(rows) > 1])
+            logits_idx=tensor(logit_rows), shared=self._shared_groups(req_to_token, seq))
+
+    def _shared_groups(self, req_to_token: torch.Tensor, seq: list[int]) -> list:
+        """Group one-token rows by the first radix node of their borrowed prefix; keep the
+        groups whose union of slots is at most 3/4 of what the rows read one by one."""
+        by_root: dict[int, list[int]] = {}
+        for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
+            if n == 1 and r.prefix_len and r.last_node is not None:
+                root_child = r.last_node
+                while root_child.parent is not None and root_child.parent.parent is not None:
+                    root_child = root_child.parent
+                by_root.setdefault(id(root_child), []).append(i)
+        out = []
+        for rows in by_root.values():
+            if len(rows) < 2:
+                continue
+            nodes: dict[int, tuple[int, int]] = {}  # node id -> (offset, length) in the union
+            parts, k = [], 0
+            paths = []
+            for i in rows:
+                path = []
+                node = self.reqs[i].last_node
+                while node.parent is not None:  # up to (not including) the root
+                    if id(node) not in nodes:
+                        nodes[id(node)] = (k, len(node.key))
+                        parts.append(node.value)
+                        k += len(node.key)
+                    path.append(nodes[id(node)])
+                    node = node.parent
+                paths.append(path)
+            own = []
+            for i in rows:
+                r = self.reqs[i]
+                own.append((k, seq[i] - r.prefix_len))
+                parts.append(req_to_token[r.req_pool_idx, r.prefix_len:seq[i]])
+                k += seq[i] - r.prefix_len
+            if k > 0.75 * sum(seq[i] for i in rows):
+                continue
+            mask = torch.zeros(len(rows), k, dtype=torch.bool)
+            for j, (path, (o, n)) in enumerate(zip(paths, own)):
+                for po, pn in path:
+                    mask[j, po:po + pn] = True
+                mask[j, o:o + n] = True
+            dev = req_to_token.device
+            out.append(SharedGroup(rows, torch.cat(parts).to(dev), mask.to(dev)))
+        return out or None

@@ -26,12 +26,12 @@ class _Decode:
 
 @dataclass(slots=True)
 class _Shared:
-    """One-token rows that share a cached prefix. Their queries attend in one call to
-    [prefix ; suffix of row 0 ; suffix of row 1 ; ...], each row masked to the prefix and
-    its own suffix, so the prefix K/V is gathered and read once for the whole group."""
+    """One-token rows whose prefixes share cached KV (fb.shared): their queries attend in one
+    call to the union of their slots, each row masked to its own, so a shared prefix is
+    gathered and read once for the whole group."""
     rows: torch.Tensor  # [r] positions in [T]
-    slots: torch.Tensor  # [p + r * Ls]
-    mask: torch.Tensor  # [r * G, p + r * Ls]
+    slots: torch.Tensor  # [K]
+    mask: torch.Tensor  # [r * G, K]
 
 
 @dataclass(slots=True)
@@ -64,19 +64,10 @@ class TorchBackend(AttentionBackend):
         meta = _Meta([], [], [])
         group = self.num_heads // self.num_kv_heads
         grouped = set()
-        for ids, p in fb.shared_prefixes or ():
-            grouped.update(ids)
-            r = len(ids)
-            rtt = fb.req_to_token[fb.req_pool_indices[ids]]
-            Ls = max(fb.seq_lens_cpu[i] for i in ids) - p
-            dev = rtt.device
-            own = torch.arange(p, p + Ls, device=dev)[None, :] < fb.seq_lens[ids][:, None]  # [r, Ls]
-            eye = torch.eye(r, dtype=torch.bool, device=dev)
-            block = (eye[:, :, None] & own[None, :, :]).reshape(r, r * Ls)  # row j sees suffix j
-            mask = torch.cat([torch.ones(r, p, dtype=torch.bool, device=dev), block], 1)
-            meta.shared.append(_Shared(fb.extend_start_loc[ids],
-                                       torch.cat([rtt[0, :p], rtt[:, p:p + Ls].reshape(-1)]),
-                                       mask.repeat_interleave(group, 0)))
+        for g in fb.shared or ():
+            grouped.update(g.rows)
+            meta.shared.append(_Shared(fb.extend_start_loc[g.rows], g.slots,
+                                       g.mask.repeat_interleave(group, 0)))
         dec = [i for i in dec if i not in grouped]
         if dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
