@@ -9,6 +9,7 @@ import json
 import re
 
 import anyio
+import redis
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
@@ -166,7 +167,13 @@ async def job_events(job_id: str, request: Request,
     async def relay():
         last, key = start, keys.stream(job_id)
         while True:
-            resp = await st.aredis.xread({key: last}, count=1000, block=st.settings.sse_keepalive * 1000)
+            try:
+                resp = await st.aredis.xread({key: last}, count=1000,
+                                             block=st.settings.sse_keepalive * 1000)
+            except redis.exceptions.ConnectionError:
+                # Redis or this process is going away (shutdown): end the stream; the client
+                # resumes with Last-Event-ID on another API process.
+                return
             if not resp:
                 yield ": keep-alive\n\n"
                 await anyio.to_thread.run_sync(_settle, st, job_id)
