@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -85,10 +86,10 @@ def run_hf(model, work, n, batch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default="bench/out/model")
-    ap.add_argument("--items-a", type=int, default=24)
+    ap.add_argument("--items-a", type=int, default=20)
     ap.add_argument("--items-b", type=int, default=4)
     ap.add_argument("--hf-batch", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--json", default="bench/out/engine.json")
     args = ap.parse_args()
@@ -107,25 +108,29 @@ def main():
                           ("b_parallel_n8", workload_b(vocab, args.items_b, rng), 8)):
         run_ours(engine, work[:2], n)  # warm up both paths
         run_hf(hf, work[:1], n, 1)
-        t_ours = t_hf = 0.0
-        for _ in range(args.reps):  # interleaved, so machine noise hits both alike
+        times, ratios = [], []
+        for _ in range(args.reps):  # interleaved pairs, so machine noise hits both alike
             engine.flush_cache()  # nothing cached from an earlier run
-            dt, ours_tokens = run_ours(engine, work, n)
-            t_ours += dt / args.reps
-            dt, hf_tokens = run_hf(hf, work, n, args.hf_batch)
-            t_hf += dt / args.reps
+            t_o, ours_tokens = run_ours(engine, work, n)
+            t_h, hf_tokens = run_hf(hf, work, n, args.hf_batch)
+            times.append((t_o, t_h))
+            ratios.append(t_h / t_o)
+        t_ours, t_hf = (statistics.median(t[k] for t in times) for k in (0, 1))
         out_tokens = n * sum(o for _, o in work)
         rows[name] = dict(out_tokens=out_tokens, ours_s=t_ours, hf_s=t_hf,
                           ours_tok_s=out_tokens / t_ours, hf_tok_s=out_tokens / t_hf,
-                          ratio=t_hf / t_ours, ours_model_tokens=ours_tokens, hf_model_tokens=hf_tokens,
+                          ratio=statistics.median(ratios), ratios=ratios,
+                          ours_model_tokens=ours_tokens, hf_model_tokens=hf_tokens,
                           ours_peak=2 * params * ours_tokens / t_ours / peak,
                           hf_peak=2 * params * hf_tokens / t_hf / peak)
     print(f"matmul peak (fp32, {torch.get_num_threads()} threads): {peak / 1e9:.1f} GFLOP/s; "
           f"model: {params / 1e6:.1f}M non-embedding params")
-    print(f"{'workload':<16}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ours peak':>11}{'hf peak':>9}")
+    print(f"{'workload':<16}{'ours tok/s':>12}{'hf tok/s':>10}{'ratio':>8}{'ours peak':>11}{'hf peak':>9}"
+          f"   per-pair ratios")
     for name, r in rows.items():
         print(f"{name:<16}{r['ours_tok_s']:>12.1f}{r['hf_tok_s']:>10.1f}{r['ratio']:>7.2f}x"
-              f"{r['ours_peak']:>10.1%}{r['hf_peak']:>9.1%}")
+              f"{r['ours_peak']:>10.1%}{r['hf_peak']:>9.1%}   "
+              + " ".join(f"{x:.2f}" for x in r["ratios"]))
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(dict(peak_flops=peak, params=params, workloads=rows), f, indent=1)

@@ -20,7 +20,7 @@ class _Decode:
     """One-token rows of similar length (decode, or decode riding in an extend batch)."""
     rows: torch.Tensor  # [B] positions in [T] of their new token
     slots: torch.Tensor  # [B * L] KV slots, padded to L per row
-    mask: torch.Tensor  # [B, 1, 1, L] True where a key is visible
+    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a key is visible, -inf elsewhere
     length: int  # L
 
 
@@ -31,14 +31,14 @@ class _Shared:
     gathered and read once for the whole group."""
     rows: torch.Tensor  # [r] positions in [T]
     slots: torch.Tensor  # [K]
-    mask: torch.Tensor  # [r * G, K]
+    mask: torch.Tensor  # [r * G, K] additive
 
 
 @dataclass(slots=True)
 class _Meta:
     dec: list  # list[_Decode]: one batched call each
     shared: list  # list[_Shared]
-    # Multi-token rows: (start in [T], new tokens, KV slots [seq], causal mask [n, seq]).
+    # Multi-token rows: (start in [T], new tokens, KV slots [seq], additive causal mask [n, seq]).
     ext: list
 
 
@@ -58,6 +58,11 @@ def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
 
 class TorchBackend(AttentionBackend):
     def prepare(self, fb) -> None:
+        dtype = fb.kv.k[0].dtype
+
+        def additive(mask):  # SDPA takes a float mask without converting it on every call
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
         dec, ext = [], []
         for i, n in enumerate(fb.extend_lens_cpu):
             (dec if n == 1 else ext).append(i)
@@ -67,7 +72,7 @@ class TorchBackend(AttentionBackend):
         for g in fb.shared or ():
             grouped.update(g.rows)
             meta.shared.append(_Shared(fb.extend_start_loc[g.rows], g.slots,
-                                       g.mask.repeat_interleave(group, 0)))
+                                       additive(g.mask.repeat_interleave(group, 0))))
         dec = [i for i in dec if i not in grouped]
         if dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
@@ -76,14 +81,14 @@ class TorchBackend(AttentionBackend):
                 slots = fb.req_to_token[fb.req_pool_indices[ids], :L]
                 mask = torch.arange(L, device=slots.device)[None, :] < fb.seq_lens[ids][:, None]
                 meta.dec.append(_Decode(fb.extend_start_loc[ids], slots.reshape(-1),
-                                        mask[:, None, None, :], L))
+                                        additive(mask[:, None, None, :]), L))
         starts = fb.extend_start_loc.tolist() if ext else []
         for i in ext:
             n, s, p = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             slots = fb.req_to_token[fb.req_pool_indices[i], :s]
             q_pos = torch.arange(p, s, device=slots.device)
             mask = torch.arange(s, device=slots.device)[None, :] <= q_pos[:, None]
-            meta.ext.append((starts[i], n, slots, mask))
+            meta.ext.append((starts[i], n, slots, additive(mask)))
         self.meta = meta
 
     def forward(self, q, k, v, layer, fb):
