@@ -79,7 +79,8 @@ def run_hf(model, work, n, batch):
         computed += n * len(chunk) * (width + new - 1)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=n > 1, num_return_sequences=n, pad_token_id=0)
+                           do_sample=n > 1, num_return_sequences=n, pad_token_id=0,
+                           top_k=0, top_p=1.0, temperature=1.0)  # the same sampling as ours
     return time.perf_counter() - t, computed
 
 
