@@ -30,9 +30,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.aredis.aclose()
         app.state.redis.close()
 
-    app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, max_body_size=settings.max_body_bytes,
+    app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan,
                   description="Batch text generation: submit a job, follow its stream, fetch results.")
     app.include_router(router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -55,3 +56,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"status": "ok", "redis": "ok"}
 
     return app
+
+
+class BodyLimit:
+    """A body over `limit` bytes gets a 422 naming the body, like any other bad input: at
+    once when Content-Length says so; a body sent without one is read up to the limit first
+    (the JSON parser would hold it all anyway)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit():
+            if int(declared) > self.limit:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        buffered, seen = [], 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                return await self._reject(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope, receive, send):
+        await JSONResponse({"detail": [{
+            "loc": ["body"], "type": "body_too_large",
+            "msg": f"the body is over the limit of {self.limit} bytes (FANOUT_MAX_BODY_BYTES)"}]},
+            status_code=422)(scope, receive, send)

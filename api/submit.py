@@ -68,8 +68,6 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 
 @router.post("/jobs", status_code=202, response_model=JobCreated, responses={
     409: {"model": ErrorOut, "description": "Idempotency-Key reused with a different body"},
-    413: {"description": "body over FANOUT_MAX_BODY_BYTES",
-          "content": {"text/plain": {"schema": {"type": "string", "example": "Content Too Large"}}}},
 })
 def submit(req: JobRequest, request: Request, response: Response,
            idempotency_key: str | None = Header(None, max_length=256, description=(
