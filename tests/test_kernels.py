@@ -154,3 +154,25 @@ def test_triton_backend_matches_torch_backend(dtype, mode, prefix_lens, extend_l
     for layer in range(2):  # the new KV went to the same slots of layer 1 only
         assert torch.equal(fb.kv.k[layer], fb_ref.kv.k[layer])
         assert torch.equal(fb.kv.v[layer], fb_ref.kv.v[layer])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shared_prefix_decode_equals_plain(dtype):
+    """Decode rows whose first 40 slots are the same: attending to that prefix once for the
+    group (merged by log-sum-exp) equals attending row by row."""
+    from worker.engine.batch import SharedGroup
+    gen = torch.Generator().manual_seed(5)
+    prefix_lens, p = [52, 47, 60, 41], 40
+    fb = _forward_batch(ForwardMode.DECODE, prefix_lens, [1] * 4, 1, dtype, gen)
+    rows = fb.req_pool_indices.tolist()
+    for r in rows[1:]:  # the rows borrow row 0's first p slots, as from the radix cache
+        fb.req_to_token[r, :p] = fb.req_to_token[rows[0], :p]
+    q = torch.randn(4, 4, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(4, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    be = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32)
+    plain = _run(be, fb, q, k, v)
+    fb.shared = [SharedGroup([0, 1, 2, 3], p)]
+    be.prepare(fb)
+    assert be.meta.shared and not be.meta.dec  # the grouped path really ran
+    shared = be.forward(q, k, v, 1, fb)
+    torch.testing.assert_close(shared, plain, **TOL[dtype])

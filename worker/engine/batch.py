@@ -36,9 +36,9 @@ class ForwardBatch:
     # Rows of [T] whose logits the runner computes: the last new token of each request,
     # or every new token for requests that asked for prompt logits.
     logits_idx: torch.Tensor | None = None
-    # One-token rows whose cached prefixes share radix-tree nodes (n > 1 samples, common
-    # system prompts): backends may attend for the whole group at once over the union of
-    # their KV, each row masked to its own. None when no such group is worth it.
+    # One-token rows whose cached prefixes start with the same radix-tree nodes (n > 1
+    # samples, a common system prompt): backends may attend to that common prefix once for
+    # the whole group. None when no group is worth it.
     shared: list | None = None  # list[SharedGroup]
 
     @property
@@ -53,13 +53,13 @@ class ForwardBatch:
 @dataclass(slots=True)
 class SharedGroup:
     rows: list[int]  # batch indices
-    slots: torch.Tensor  # [K] the union of the rows' KV slots, each once
-    mask: torch.Tensor  # [r, K] True where the row's own sequence holds that slot
+    prefix_len: int  # the rows' first prefix_len KV slots are the same slots
 
 
 @dataclass(slots=True)
 class ScheduleBatch:
     """The requests of one step and how many new tokens each runs (slots already allocated)."""
+    SHARED_MIN = 64  # a shorter common prefix is not worth a separate attention pass
     reqs: list  # list[Req]
     extend_lens: list[int]
     out_cache_loc: list  # slot tensors, concatenated in request order (decodes in one)
@@ -95,49 +95,29 @@ class ScheduleBatch:
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
-            logits_idx=tensor(logit_rows), shared=self._shared_groups(req_to_token, seq))
+            logits_idx=tensor(logit_rows), shared=self._shared_groups())
 
-    def _shared_groups(self, req_to_token: torch.Tensor, seq: list[int]) -> list:
-        """Group one-token rows by the first radix node of their borrowed prefix; keep the
-        groups whose union of slots is at most 3/4 of what the rows read one by one."""
-        by_root: dict[int, list[int]] = {}
+    def _shared_groups(self) -> list | None:
+        """Group one-token rows by the first radix node of their borrowed prefix; a group's
+        common prefix is the longest run of nodes on every row's path."""
+        paths: dict[int, list[tuple[int, list]]] = {}
         for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
             if n == 1 and r.prefix_len and r.last_node is not None:
-                root_child = r.last_node
-                while root_child.parent is not None and root_child.parent.parent is not None:
-                    root_child = root_child.parent
-                by_root.setdefault(id(root_child), []).append(i)
-        out = []
-        for rows in by_root.values():
-            if len(rows) < 2:
-                continue
-            nodes: dict[int, tuple[int, int]] = {}  # node id -> (offset, length) in the union
-            parts, k = [], 0
-            paths = []
-            for i in rows:
-                path = []
-                node = self.reqs[i].last_node
+                path, node = [], r.last_node
                 while node.parent is not None:  # up to (not including) the root
-                    if id(node) not in nodes:
-                        nodes[id(node)] = (k, len(node.key))
-                        parts.append(node.value)
-                        k += len(node.key)
-                    path.append(nodes[id(node)])
+                    path.append(node)
                     node = node.parent
-                paths.append(path)
-            own = []
-            for i in rows:
-                r = self.reqs[i]
-                own.append((k, seq[i] - r.prefix_len))
-                parts.append(req_to_token[r.req_pool_idx, r.prefix_len:seq[i]])
-                k += seq[i] - r.prefix_len
-            if k > 0.75 * sum(seq[i] for i in rows):
+                path.reverse()
+                paths.setdefault(id(path[0]), []).append((i, path))
+        out = []
+        for members in paths.values():
+            if len(members) < 2:
                 continue
-            mask = torch.zeros(len(rows), k, dtype=torch.bool)
-            for j, (path, (o, n)) in enumerate(zip(paths, own)):
-                for po, pn in path:
-                    mask[j, po:po + pn] = True
-                mask[j, o:o + n] = True
-            dev = req_to_token.device
-            out.append(SharedGroup(rows, torch.cat(parts).to(dev), mask.to(dev)))
+            common = 0
+            for nodes in zip(*(path for _, path in members)):
+                if any(x is not nodes[0] for x in nodes):
+                    break
+                common += len(nodes[0].key)
+            if common >= self.SHARED_MIN:
+                out.append(SharedGroup([i for i, _ in members], common))
         return out or None

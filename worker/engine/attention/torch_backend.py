@@ -4,6 +4,12 @@ On a CPU the cost is in gathering each request's K/V rows from the pool; index_s
 on a 2-D view of the pool is several times faster than fancy indexing of the 3-D one.
 Query heads are grouped by their KV head (GQA) and attended as G queries per KV head,
 so K/V are never repeated. Inputs are 4-D: torch's fused CPU kernel takes only those.
+
+Decode rows that share a cached prefix (fb.shared: the samples of one prompt, a common
+system prompt) attend to it once for the whole group, unmasked, and to the rest of their
+own sequence separately; the two parts merge exactly through their log-sum-exps. That
+needs the log-sum-exp that torch's CPU flash kernel returns but F.scaled_dot_product_attention
+hides, so it runs on CPU tensors only (torch is pinned; a test checks it against plain SDPA).
 """
 from __future__ import annotations
 
@@ -26,12 +32,15 @@ class _Decode:
 
 @dataclass(slots=True)
 class _Shared:
-    """One-token rows whose prefixes share cached KV (fb.shared): their queries attend in one
-    call to the union of their slots, each row masked to its own, so a shared prefix is
-    gathered and read once for the whole group."""
+    """One-token rows whose first p KV slots are the same slots."""
     rows: torch.Tensor  # [r] positions in [T]
-    slots: torch.Tensor  # [K]
-    mask: torch.Tensor  # [r * G, K] additive
+    prefix: torch.Tensor  # [p] the common slots
+    rest: torch.Tensor  # [r * L] each row's slots after the prefix, padded to L
+    mask: torch.Tensor  # [r, 1, 1, L] additive
+    length: int  # L
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(slots=True)
@@ -69,10 +78,14 @@ class TorchBackend(AttentionBackend):
         meta = _Meta([], [], [])
         group = self.num_heads // self.num_kv_heads
         grouped = set()
-        for g in fb.shared or ():
+        for g in (fb.shared or ()) if fb.req_to_token.device.type == "cpu" else ():
             grouped.update(g.rows)
-            meta.shared.append(_Shared(fb.extend_start_loc[g.rows], g.slots,
-                                       additive(g.mask.repeat_interleave(group, 0))))
+            rtt = fb.req_to_token[fb.req_pool_indices[g.rows]]
+            p = g.prefix_len
+            L = max(fb.seq_lens_cpu[i] for i in g.rows) - p
+            own = torch.arange(p, p + L, device=rtt.device)[None, :] < fb.seq_lens[g.rows][:, None]
+            meta.shared.append(_Shared(fb.extend_start_loc[g.rows], rtt[0, :p],
+                                       rtt[:, p:p + L].reshape(-1), additive(own[:, None, None, :]), L))
         dec = [i for i in dec if i not in grouped]
         if dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
@@ -120,10 +133,19 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _shared(self, q, kc2, vc2, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
-        r, n = q.shape[0], g.slots.shape[0]
+        r, p, L = q.shape[0], g.prefix.shape[0], g.length
+        # The common prefix: every query of the group against it, unmasked.
         qs = q.view(r, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, r * G, D)
-        k = kc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        v = vc2.index_select(0, g.slots).view(n, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        # 4-D inputs take torch's fused CPU kernel; 3-D ones a much slower path.
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=self.scale)
-        return o.view(Hkv, r, G, D).transpose(0, 1).reshape(r, Hkv * G, D)
+        kp = kc2.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vp = vc2.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o1, l1 = _flash_cpu(qs, kp, vp, scale=self.scale)
+        o1 = o1.view(Hkv, r, G, D).transpose(0, 1)
+        l1 = l1.view(Hkv, r, G).transpose(0, 1)
+        # The rest of each row's own sequence.
+        qr = q.view(r, Hkv, G, D)
+        kr = kc2.index_select(0, g.rest).view(r, L, Hkv, D).transpose(1, 2).to(q.dtype)
+        vr = vc2.index_select(0, g.rest).view(r, L, Hkv, D).transpose(1, 2).to(q.dtype)
+        o2, l2 = _flash_cpu(qr, kr, vr, attn_mask=g.mask, scale=self.scale)
+        lse = torch.logaddexp(l1, l2)
+        o = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+        return o.reshape(r, Hkv * G, D).to(q.dtype)
