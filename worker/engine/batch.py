@@ -68,7 +68,8 @@ class ScheduleBatch:
         r = self.reqs[i]
         return r.kv_len + self.extend_lens[i] == r.seq_len
 
-    def to_forward_batch(self, kv, req_to_token: torch.Tensor, device) -> ForwardBatch:
+    def to_forward_batch(self, kv, req_to_token: torch.Tensor, device,
+                         group_shared: bool = False) -> ForwardBatch:
         ids, pos, logit_rows = [], [], []
         prefix, seq, starts = [], [], []
         t = 0
@@ -95,7 +96,7 @@ class ScheduleBatch:
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
-            logits_idx=tensor(logit_rows), shared=self._shared_groups())
+            logits_idx=tensor(logit_rows), shared=self._shared_groups() if group_shared else None)
 
     def _shared_groups(self) -> list | None:
         """Group one-token rows by the first radix node of their borrowed prefix; a group's

@@ -74,19 +74,19 @@ class KVManager:
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot each for a decode step, in one vectorized update of the table."""
-        fresh = [r for r in reqs if r.alloc_len % self.ps == 0]  # these start a new page
-        if len(fresh) > self.alloc.num_free:
-            self.cache.evict(len(fresh) - self.alloc.num_free)
-        pages = self.alloc.alloc(len(fresh))
+        fresh = [r.alloc_len % self.ps == 0 for r in reqs]  # these start a new page
+        need = sum(fresh)
+        if need > self.alloc.num_free:
+            self.cache.evict(need - self.alloc.num_free)
+        pages = self.alloc.alloc(need)
         if pages is None:
             return None
         dev = self.table.device
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         pos = torch.tensor([r.alloc_len for r in reqs], device=dev)
         slots = self.table[rows, (pos - 1).clamp(min=0)] + 1
-        if fresh:
-            at = torch.tensor([r.alloc_len % self.ps == 0 for r in reqs], device=dev)
-            slots[at] = torch.tensor(pages, device=dev) * self.ps
+        if need:
+            slots[torch.tensor(fresh, device=dev)] = torch.tensor(pages, device=dev) * self.ps
         self.table[rows, pos] = slots
         for r in reqs:
             r.alloc_len += 1
@@ -97,24 +97,6 @@ class KVManager:
         if end <= start:
             return []
         return (self.table[row, start:end:self.ps] // self.ps).tolist()
-
-    def release(self, req: Req) -> None:
-        """Hand req's computed KV to the radix cache, free the rest, unlock, free the row."""
-        row = req.req_pool_idx
-        if row is None:
-            return
-        aligned = req.kv_len // self.ps * self.ps if self.cache.enabled else 0
-        keep_from = req.prefix_len
-        if aligned > req.prefix_len:
-            already = self.cache.insert(req.fill_ids[:aligned], self.table[row, :aligned])
-            # Someone cached [prefix_len, already) meanwhile: our copies are duplicates.
-            self.alloc.free(self._pages(row, req.prefix_len, already))
-            keep_from = aligned
-        self.alloc.free(self._pages(row, keep_from, req.alloc_len))
-        self.cache.unlock(req.last_node)
-        self.rtt.free(row)
-        req.req_pool_idx, req.last_node = None, None
-        req.prefix_len = req.kv_len = req.alloc_len = 0
 
     def cache_unfinished(self, req: Req) -> None:
         """Put req's computed prefix in the tree now (after a prefill chunk), so requests
@@ -131,6 +113,18 @@ class KVManager:
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, aligned
+
+    def release(self, req: Req) -> None:
+        """Hand req's computed KV to the radix cache, free the rest, unlock, free the row."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        self.cache_unfinished(req)  # now [0, prefix_len) belongs to the tree
+        self.alloc.free(self._pages(row, req.prefix_len, req.alloc_len))
+        self.cache.unlock(req.last_node)
+        self.rtt.free(row)
+        req.req_pool_idx, req.last_node = None, None
+        req.prefix_len = req.kv_len = req.alloc_len = 0
 
     def private_pages(self, req: Req) -> int:
         return _cdiv(req.alloc_len, self.ps) - req.prefix_len // self.ps

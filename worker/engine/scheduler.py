@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from .batch import ScheduleBatch
 from .kv_manager import KVManager
 from .req import Req, ReqStatus
@@ -97,6 +95,7 @@ class Scheduler:
             locs.append(kvm.alloc_decode(decodes))
             reqs.extend(decodes)
             lens.extend([1] * len(decodes))
+        prefilling: list[Req] = []
         # 2. Prefill: continue chunked requests, then admit waiting ones, within the budget.
         budget = self.cfg.max_prefill_tokens
         # Keep a page per running request free so the next decode step rarely retracts.
@@ -109,7 +108,7 @@ class Scheduler:
             if new:
                 if len(self.running) >= self.cfg.max_running or not kvm.admit(r):
                     break
-                if self._shares_prefix(r, reqs):
+                if self._shares_prefix(r, prefilling):
                     kvm.release(r)  # wait one step and take the prefix from the cache
                     continue
             n = min(r.extend_todo, budget)
@@ -124,6 +123,7 @@ class Scheduler:
             locs.append(kvm.alloc_extend(r, n))
             reqs.append(r)
             lens.append(n)
+            prefilling.append(r)
             budget -= n
             if new:
                 self.waiting.remove(r)
@@ -136,13 +136,14 @@ class Scheduler:
             return None
         return ScheduleBatch(reqs, lens, locs)
 
-    def _shares_prefix(self, r: Req, batch: list[Req]) -> bool:
-        """Does r share a long uncached prefix with a request prefilling in this step?"""
+    def _shares_prefix(self, r: Req, prefilling: list[Req]) -> bool:
+        """Does r share a long uncached prefix with a request prefilling in this step? (Decoding
+        requests need no check: their prefixes are in the cache already, so admit matched them.)"""
         k = r.prefix_len + self.cfg.shared_prefix_min
         if r.seq_len <= k:
             return False
-        head = r.fill_ids[:k]
-        return any(len(x.input_ids) >= k and x.fill_ids[:k] == head for x in batch)
+        head = r.tokens(0, k)
+        return any(x.seq_len >= k and x.tokens(0, k) == head for x in prefilling)
 
     def step(self) -> StepResult:
         batch = self._schedule()
@@ -156,7 +157,8 @@ class Scheduler:
                                         f"({r.seq_len} tokens)")
                 return StepResult([], [r])
             return StepResult([], [])
-        fb = batch.to_forward_batch(self.kvm.kv, self.kvm.table, self.runner.device)
+        fb = batch.to_forward_batch(self.kvm.kv, self.kvm.table, self.runner.device,
+                                    group_shared=self.runner.attn.uses_shared_prefixes)
         logits = self.runner.forward(fb)
         result = StepResult([], [])
         sample_reqs, sample_rows, row = [], [], 0

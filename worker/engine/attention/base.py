@@ -11,6 +11,9 @@ class AttentionBackend:
     per layer. Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype.
     """
 
+    # Whether forward attends to fb.shared groups; the scheduler builds them only then.
+    uses_shared_prefixes = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -30,7 +33,7 @@ def make_backend(name: str, device: torch.device, **kw) -> AttentionBackend:
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from .torch_backend import TorchBackend
-        return TorchBackend(**kw)
+        return TorchBackend(device=device, **kw)
     if name == "triton":
         from .triton_backend import TritonBackend
         return TritonBackend(**kw)

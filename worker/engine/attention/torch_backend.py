@@ -66,6 +66,10 @@ def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
 
 
 class TorchBackend(AttentionBackend):
+    def __init__(self, *args, device="cpu", **kw):
+        super().__init__(*args, **kw)
+        self.uses_shared_prefixes = torch.device(device).type == "cpu"  # the CPU flash kernel
+
     def prepare(self, fb) -> None:
         dtype = fb.kv.k[0].dtype
 
@@ -78,7 +82,7 @@ class TorchBackend(AttentionBackend):
         meta = _Meta([], [], [])
         group = self.num_heads // self.num_kv_heads
         grouped = set()
-        for g in (fb.shared or ()) if fb.req_to_token.device.type == "cpu" else ():
+        for g in (fb.shared or ()) if self.uses_shared_prefixes else ():
             grouped.update(g.rows)
             rtt = fb.req_to_token[fb.req_pool_indices[g.rows]]
             p = g.prefix_len
