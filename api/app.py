@@ -1,7 +1,7 @@
 """The FastAPI app. Stateless: run as many processes as you like behind one port
 (`fanout api --workers N`); all state is in Redis.
 
-    uvicorn --factory api.app:create_app       # settings from the environment (api.config)
+    uvicorn --factory api.app:create_app       # settings from the environment (worker.settings)
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from .config import Settings
+from worker.settings import Settings
+
 from .schemas import UNION_TAGS, ErrorOut, Health
 from .submit import router
 

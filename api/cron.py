@@ -26,8 +26,10 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from worker.settings import Settings
+from worker.spec import JOB_FUNC, QUEUES
+
 from . import batchfile, jobs
-from .config import Settings
 from .schemas import JobRequest
 
 
@@ -35,7 +37,7 @@ class SubmitJob(CronJob):
     """A cron entry that submits a Fanout job instead of enqueueing a Python call."""
 
     def __init__(self, name: str, entry: dict, base_dir: str, settings: Settings):
-        super().__init__(queue_name=jobs.QUEUES[entry.get("priority", "normal")], func_name=jobs.JOB_FUNC,
+        super().__init__(queue_name=QUEUES[entry.get("priority", "normal")], func_name=JOB_FUNC,
                          name=name, cron=entry.get("cron"), interval=entry.get("interval"))
         self.entry, self.base_dir, self.settings = entry, base_dir, settings
         self.request()  # fail at load, not at 2 am
@@ -86,8 +88,8 @@ def load(path: str, connection, settings: Settings) -> Scheduler:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         if ("job" in e) == ("file" in e):
             raise ValueError(f"{where}: give exactly one of job, file")
-        if e.get("priority", "normal") not in jobs.QUEUES:
-            raise ValueError(f"{where}.priority: one of {sorted(jobs.QUEUES)}")
+        if e.get("priority", "normal") not in QUEUES:
+            raise ValueError(f"{where}.priority: one of {sorted(QUEUES)}")
         try:
             scheduler.add(SubmitJob(e["name"], e, os.path.dirname(os.path.abspath(path)), settings))
         except ValidationError as err:

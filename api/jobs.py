@@ -1,5 +1,5 @@
-"""Jobs in Redis: submit (rq, JSON payload), look up, cancel. Used by the API routes, the
-cron scheduler and the worker, so the queue names and status mapping live here once.
+"""Jobs in Redis: submit (rq, JSON payload), look up, cancel. Used by the API routes and
+the cron scheduler; the queue names and the payload (the job spec) are in worker.spec.
 
 Queues by priority: the worker always takes from `fanout-high` first, then `fanout`, then
 `fanout-low`. Every rq job calls `worker.consumer.fanout_job` with one JSON argument, the
@@ -8,7 +8,6 @@ job spec; the Fanout worker runs it in its engine (rq's fork-per-job path is not
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -20,12 +19,10 @@ from rq.serializers import JSONSerializer
 
 from results import events, keys, progress, publisher
 
-from .config import Settings
-from .schemas import JobRequest
+from worker.settings import Settings
+from worker.spec import JOB_FUNC, QUEUES, JobSpec
 
-QUEUES = {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"}
-QUEUE_ORDER = [QUEUES["high"], QUEUES["normal"], QUEUES["low"]]
-JOB_FUNC = "worker.consumer.fanout_job"
+from .schemas import JobRequest
 
 _STATUS = {
     JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
@@ -48,41 +45,22 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def job_seed(req: JobRequest) -> int:
-    sp = req.sampling_params
-    if req.seed is not None:
-        return req.seed
-    if not isinstance(sp, list) and sp.seed is not None:
-        return sp.seed
-    return random.getrandbits(63)
-
-
-def spec_of(req: JobRequest, seed: int) -> dict[str, Any]:
-    """The rq job's one argument (JSON): everything the worker needs to run the job."""
-    sp = req.sampling_params
-    items = req.items if req.kind != "messages" else [[m.model_dump() for m in msgs] for msgs in req.items]
-    return {
-        "kind": req.kind,
-        "items": items,
-        "sampling_params": [p.model_dump() for p in sp] if isinstance(sp, list) else sp.model_dump(),
-        "seed": seed,
-    }
-
-
-def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None) -> dict[str, Any]:
+def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
+           spec: JobSpec | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
-    transaction. Returns the JobCreated body."""
+    transaction. `spec` is req.spec() unless given. Returns the JobCreated body."""
     job_id = job_id or new_id()
-    seed = job_seed(req)
+    spec = spec or req.spec()
+    seed = spec.seed
     if req.run_at and req.run_at.microsecond:
         # rq schedules in whole seconds (rounding down): round up so a job never starts early.
         req = req.model_copy(update={"run_at": req.run_at.replace(microsecond=0) + timedelta(seconds=1)})
-    ns = [p.n for p in req.params_list()]
+    ns = [p.n for p in spec.sampling_params]
     status = "scheduled" if req.run_at else "queued"
     wait = max(0, int((req.run_at - datetime.now(timezone.utc)).total_seconds())) if req.run_at else 0
     q = queue(redis, req.priority)
     job = q.create_job(
-        JOB_FUNC, kwargs={"spec": spec_of(req, seed)}, job_id=job_id,
+        JOB_FUNC, kwargs={"spec": spec.payload()}, job_id=job_id,
         timeout=settings.job_timeout, result_ttl=settings.result_ttl, failure_ttl=settings.result_ttl,
         retry=Retry(max=settings.job_retries) if settings.job_retries else None,
         description=f"fanout job: {req.size} items, {sum(ns)} samples",

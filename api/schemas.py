@@ -1,114 +1,58 @@
 """Request and response bodies of the job API (pydantic). Unknown fields are rejected."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import random
+from typing import Annotated, Literal
 
-from pydantic import (AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+
+from worker.engine.sampling_params import SamplingParams, per_item
+from worker.spec import KINDS, JobInput, JobSpec
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["queued", "scheduled", "running", "succeeded", "failed", "canceled"]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class SamplingParamsIn(Strict):
-    """Names and meanings follow SGLang."""
-    max_new_tokens: int = Field(128, ge=0)
-    min_new_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1 or 0 disables; else >= 1")
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    stop: list[NonEmptyStr] | NonEmptyStr = Field(default_factory=list)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    logprobs: bool = False
-    skip_special_tokens: bool = True
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < -1:
-            raise ValueError("must be -1 (off), 0 (off) or >= 1")
-        return v
-
-    @model_validator(mode="after")
-    def _min_le_max(self):
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError("min_new_tokens: must be <= max_new_tokens")
-        return self
-
-
-class Message(Strict):
-    role: NonEmptyStr
-    content: str
-
+MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 # One object for every item, or a list with one per item. The tags are dropped from error
 # locations (api.app) so an error reads body.sampling_params.top_p or body.sampling_params.2.n.
 SamplingParamsField = Annotated[
-    Annotated[SamplingParamsIn, Tag("one")] | Annotated[list[SamplingParamsIn], Tag("per_item")],
+    Annotated[SamplingParams, Tag("one")] | Annotated[list[SamplingParams], Tag("per_item")],
     Discriminator(lambda v: "per_item" if isinstance(v, list) else "one"),
 ]
 UNION_TAGS = frozenset({"one", "per_item"})
 
 
-class JobRequest(Strict):
-    """Exactly one of `prompts`, `input_ids`, `messages` (chat, templated by the worker's
-    tokenizer); `sampling_params` is one object for all items or a list, one per item."""
-    prompts: list[NonEmptyStr] | None = Field(None, min_length=1)
-    input_ids: list[Annotated[list[TokenId], Field(min_length=1)]] | None = Field(None, min_length=1)
-    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = Field(None, min_length=1)
-    sampling_params: SamplingParamsField = Field(default_factory=SamplingParamsIn)
-    seed: int | None = Field(None, ge=0, lt=2**63, description=(
-        "job seed: sample j of item i draws from (seed, i, j); defaults to sampling_params.seed, "
-        "else a random seed returned in the response"))
+class JobRequest(JobInput):
+    """The body of POST /v1/jobs: the items (worker.spec.JobInput) and how to run them;
+    `sampling_params` is one object for all items or a list, one per item."""
+    sampling_params: SamplingParamsField = Field(default_factory=SamplingParams)
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description=(
+        "job seed: sample j of item i draws from (seed, i, j), unless the item's own "
+        "sampling_params carry a seed; defaults to the seed of a shared sampling_params "
+        "object, else a random seed returned in the response"))
     priority: Priority = "normal"
-    metadata: dict[str, Any] = Field(default_factory=dict, description="stored and returned as is")
+    metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16, description=(
+        "up to 16 string pairs (keys up to 64 characters, values up to 512), as OpenAI's "
+        "batch metadata; stored and returned as is"))
     run_at: Annotated[AwareDatetime, Field(strict=False)] | None = Field(
         None, description="start no earlier than this (ISO 8601 with a zone)")
 
     @field_validator("sampling_params")
     @classmethod
     def _one_per_item(cls, v, info: ValidationInfo):
-        items = next((info.data[k] for k in ("prompts", "input_ids", "messages") if info.data.get(k)), None)
+        items = next((info.data[k] for k in KINDS if info.data.get(k)), None)
         if isinstance(v, list) and items is not None and len(v) != len(items):
             raise ValueError(f"list has {len(v)} entries for {len(items)} items")
         return v
 
-    @model_validator(mode="after")
-    def _one_input(self):
-        given = [k for k in ("prompts", "input_ids", "messages") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("prompts / input_ids / messages: give exactly one of them"
-                             + (f" (got {', '.join(given)})" if given else ""))
-        return self
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in ("prompts", "input_ids", "messages") if getattr(self, k) is not None)
-
-    @property
-    def items(self) -> list:
-        return getattr(self, self.kind)
-
-    @property
-    def size(self) -> int:
-        return len(self.items)
-
-    def params_list(self) -> list[SamplingParamsIn]:
-        sp = self.sampling_params
-        return sp if isinstance(sp, list) else [sp] * self.size
+    def spec(self, seed: int | None = None) -> JobSpec:
+        """The normalized job the worker runs. The job seed: `seed`, else this request's,
+        else a shared sampling_params object's, else a random one."""
+        params, job_seed = per_item(self.sampling_params, self.size, seed if seed is not None else self.seed)
+        if job_seed is None:
+            job_seed = random.getrandbits(63)
+        return JobSpec(**{self.kind: self.items}, sampling_params=params, seed=job_seed)
 
 
 class JobCreated(BaseModel):
@@ -147,7 +91,7 @@ class JobInfo(BaseModel):
     error: str | None
     seed: int
     attempt: int = Field(description="attempts started so far (retries after worker loss count)")
-    metadata: dict[str, Any]
+    metadata: dict[str, str]
     stream: str
     run_at: str | None
     created_at: str | None

@@ -17,6 +17,8 @@ from fastapi.responses import StreamingResponse
 from results import events, keys, progress, publisher, store
 
 from . import jobs
+from worker.spec import JobSpec
+
 from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobRequest, ResultsPage
 
 router = APIRouter(prefix="/v1")
@@ -33,14 +35,14 @@ def _not_found(job_id: str) -> HTTPException:
     return HTTPException(404, f"job not found: {job_id}")
 
 
-def _check_limits(req: JobRequest, settings) -> None:
+def _check_limits(req: JobRequest, spec: JobSpec, settings) -> None:
     """The limits that depend on configuration; 422 naming the field, like pydantic's."""
     errors = []
     if req.size > settings.max_batch:
         errors.append({"loc": ("body", req.kind), "type": "too_long",
                        "msg": f"{req.size} items, over the limit of {settings.max_batch} (FANOUT_MAX_BATCH)"})
     per_item = isinstance(req.sampling_params, list)
-    for i, p in enumerate(req.params_list() if per_item else [req.sampling_params]):
+    for i, p in enumerate(spec.sampling_params if per_item else spec.sampling_params[:1]):
         loc = ("body", "sampling_params") + ((i,) if per_item else ())
         if p.max_new_tokens > settings.max_new_tokens:
             errors.append({"loc": loc + ("max_new_tokens",), "type": "less_than_equal",
@@ -74,13 +76,13 @@ def submit(req: JobRequest, request: Request, response: Response,
                "a retried POST with the same key (and body) returns the same job"))):
     """Submit a batch job. Returns at once; the job runs when a worker takes it."""
     st = _state(request)
-    _check_limits(req, st.settings)
+    spec = req.spec()
+    _check_limits(req, spec, st.settings)
     job_id = None
     if idempotency_key is not None:
         body_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         job_id = jobs.new_id()
-        seed = jobs.job_seed(req)
-        claim = {"id": job_id, "hash": body_hash, "seed": seed, "items": req.size}
+        claim = {"id": job_id, "hash": body_hash, "seed": spec.seed, "items": req.size}
         k = keys.idempotency(idempotency_key)
         if not st.redis.set(k, json.dumps(claim), nx=True, ex=st.settings.result_ttl):
             stored = st.redis.get(k)
@@ -89,8 +91,7 @@ def submit(req: JobRequest, request: Request, response: Response,
                 response.headers["Location"] = f"/v1/jobs/{body['id']}"
                 response.headers["Idempotent-Replayed"] = "true"
                 return body
-        req = req.model_copy(update={"seed": seed})
-    body = jobs.submit(st.redis, req, st.settings, job_id=job_id)
+    body = jobs.submit(st.redis, req, st.settings, job_id=job_id, spec=spec)
     response.headers["Location"] = f"/v1/jobs/{body['id']}"
     return body
 

@@ -149,9 +149,9 @@ def test_too_long_prompt_fails_alone_and_abort_frees_kv(llama_path):
 
 def test_bad_params_named():
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0).validate()
+        SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplingParams(max_new_tokens=-1).validate()
+        SamplingParams(max_new_tokens=-1)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

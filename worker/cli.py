@@ -17,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from typing import Any
 
 from api import batchfile
+from worker.engine.sampling_params import SamplingParams
 
 ENV = os.environ.get
 
@@ -82,20 +84,21 @@ class EmbeddedRedis:
 
 
 def job_body(path: str, args) -> dict[str, Any]:
+    sp = sampling_from_args(args)
+    seed = sp.pop("seed", None)  # the flags are the shared object: their seed is the job seed
     try:
-        return batchfile.job_body(path, sampling_from_args(args), priority=args.priority)
+        body = batchfile.job_body(path, sp, priority=args.priority)
     except batchfile.BatchFileError as e:
         raise SystemExit(str(e)) from None
+    if seed is not None:
+        body["seed"] = seed
+    return body
 
 
 def sampling_from_args(args) -> dict[str, Any]:
-    sp = {"max_new_tokens": args.max_new_tokens, "n": args.n, "temperature": args.temperature,
-          "top_p": args.top_p, "top_k": args.top_k, "ignore_eos": args.ignore_eos}
-    if args.seed is not None:
-        sp["seed"] = args.seed
-    if args.stop:
-        sp["stop"] = args.stop
-    return sp
+    """The sampling flags given on the command line (the rest keep the model's defaults)."""
+    return {name: getattr(args, name) for name in SamplingParams.model_fields
+            if getattr(args, name) is not None}
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def cmd_api(args) -> None:
 def cmd_worker(args) -> None:
     import redis
 
-    from api.config import Settings
+    from worker.settings import Settings
     from worker.consumer import Consumer
     from worker.engine import Engine
 
@@ -208,8 +211,9 @@ def cmd_submit(args) -> None:
             _print_json(job)
             return
         total = job["items"]
-        ns = [p.get("n", 1) for p in body["sampling_params"]] if isinstance(body["sampling_params"], list) \
-            else [body["sampling_params"]["n"]] * total
+        n = SamplingParams.model_fields["n"].default
+        sp = body["sampling_params"]
+        ns = [p.get("n", n) for p in sp] if isinstance(sp, list) else [sp.get("n", n)] * total
         left = dict(enumerate(ns))
         bar = tqdm(total=total, unit="item", file=sys.stderr)
         status = None
@@ -267,7 +271,7 @@ def cmd_generate(args) -> None:
     """Offline: the engine in this process, no Redis or API."""
     from tqdm import tqdm
 
-    from worker.engine import Engine, SamplingParams
+    from worker.engine import Engine
 
     try:
         kind, items, per_line = batchfile.read(args.input)
@@ -275,8 +279,12 @@ def cmd_generate(args) -> None:
         raise SystemExit(str(e)) from None
     engine = Engine(args.model, device=args.device, dtype=args.dtype)
     base = sampling_from_args(args)
-    params = [SamplingParams(**{**base, **(p or {})}) for p in per_line] if any(per_line) \
-        else SamplingParams(**base)
+    seed = base.pop("seed", None)  # the job seed, as in `fanout submit`
+    try:
+        params = [SamplingParams(**{**base, **(p or {})}) for p in per_line] if any(per_line) \
+            else SamplingParams(**base)
+    except ValueError as e:
+        raise SystemExit(f"{args.input}: {e}") from None
     if kind == "messages":
         tok = engine.tokenizer
         items = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
@@ -288,7 +296,7 @@ def cmd_generate(args) -> None:
     bar = tqdm(total=len(items), unit="item", file=sys.stderr)
     tokens, t0 = 0, time.monotonic()
     src = {"prompts" if kind == "prompts" else "input_ids": items}
-    for ev in engine.generate(**src, sampling_params=params, stream=True):
+    for ev in engine.generate(**src, sampling_params=params, seed=seed, stream=True):
         tokens += len(ev.token_ids_delta)
         if ev.finished:
             samples[ev.index][ev.sample] = {
@@ -313,14 +321,27 @@ def cmd_generate(args) -> None:
 # -- argument parsing ------------------------------------------------------------------------
 
 def _sampling_flags(p) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--n", type=int, default=1, help="samples per item")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    """One flag per sampling parameter, from its one definition (SamplingParams)."""
+    g = p.add_argument_group("sampling parameters (SGLang names; a batch file's per-line "
+                             "sampling_params override them)")
+    for name, f in SamplingParams.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = f.get_default(call_default_factory=True)
+        help_ = f"{f.description} (default: {json.dumps(default)})"
+        kind = _scalar(f.annotation)
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(f.annotation) is list:
+            g.add_argument(flag, type=kind, action="append", default=None, help=help_ + "; repeatable")
+        else:
+            g.add_argument(flag, type=kind, default=None, help=help_)
+
+
+def _scalar(t) -> type:
+    """int for int, int | None, list[Annotated[int, ...]]; likewise float, str, bool."""
+    while typing.get_origin(t) is not None or not isinstance(t, type):
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
 
 
 def _engine_flags(p, model_required: bool = False) -> None:

@@ -36,20 +36,28 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from api.config import Settings
-from api.jobs import QUEUE_ORDER
 from results import events, keys, progress, publisher, store
 from results.publisher import Batch
 
-from .engine import Engine, SamplingParams
+from .engine import Engine
+from .settings import Settings
+from .spec import QUEUE_ORDER, JobSpec
 
 log = logging.getLogger("fanout.worker")
 
 
-def fanout_job(spec: dict) -> None:
+def fanout_job(spec: dict) -> None:  # noqa: ARG001
     """The function every Fanout rq job names. Its spec runs inside `fanout worker`."""
     raise RuntimeError("Fanout jobs run in `fanout worker`, which batches them in its engine; "
                        "a plain `rq worker` cannot run them")
+
+
+def _one_line(e: Exception) -> str:
+    """A parse error in one line: pydantic's errors as `loc: message; ...`."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        return "; ".join(f"{'.'.join(map(str, x['loc'])) or 'spec'}: {x['msg']}" for x in errors()[:5])
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(slots=True)
@@ -187,13 +195,11 @@ class Consumer(BaseWorker):
         execution = self.prepare_execution(job)  # StartedJobRegistry entry, worker busy
         self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
         try:
-            spec = job.kwargs["spec"]
-            params = spec["sampling_params"]
-            params = [SamplingParams(**p) for p in params] if isinstance(params, list) \
-                else [SamplingParams(**params)] * len(spec["items"])
-        except Exception as e:  # not a job our API made
-            self.fail_now(job, queue, execution, f"bad job payload: {e!r}")
+            spec = JobSpec.model_validate(job.kwargs["spec"])
+        except Exception as e:  # not a job our API made (or made by another version): no retry
+            self.fail_now(job, queue, execution, f"bad job payload: {_one_line(e)}")
             return
+        params = spec.sampling_params
         ns = [p.n for p in params]
         job_id = job.id
         skip = store.finished(self.connection, job_id)
@@ -210,14 +216,14 @@ class Consumer(BaseWorker):
         batch.attempt(job_id, attempt, self.name)
         batch.status(job_id, "running")
         todo, todo_params = [], []
-        for index, (item, p) in enumerate(zip(spec["items"], params)):
+        for index, (item, p) in enumerate(zip(spec.items, params)):
             left = [j for j in range(p.n) if (index, j) not in skip]
             if not left:
                 continue
             a.left[index] = len(left)
             a.remaining += len(left)
             try:
-                todo.append(self.engine_item(spec["kind"], index, item))
+                todo.append(self.engine_item(spec.kind, index, item))
                 todo_params.append(p)
             except ValueError as e:  # this item alone fails
                 for j in left:
@@ -225,7 +231,7 @@ class Consumer(BaseWorker):
         batch.send()
         if todo:
             try:
-                self.engine.add(job_id, todo, todo_params, seed=spec["seed"])
+                self.engine.add(job_id, todo, todo_params, seed=spec.seed)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return
@@ -242,7 +248,8 @@ class Consumer(BaseWorker):
         if kind == "messages":
             tok = self.engine.tokenizer
             try:
-                text = tok.apply_chat_template(item, tokenize=False, add_generation_prompt=True)
+                text = tok.apply_chat_template([m.model_dump() for m in item], tokenize=False,
+                                               add_generation_prompt=True)
             except Exception as e:
                 raise ValueError(f"messages[{index}]: chat template failed: {e}") from None
             # The template already holds the special tokens (BOS) it wants.

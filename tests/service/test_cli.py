@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from api import batchfile, cron
-from api.config import Settings
+from worker.settings import Settings
 from results import reader
 from results.client import Client
 from worker.cli import free_port, main

@@ -18,7 +18,7 @@ from .models.loader import load_tokenizer, resolve_dtype
 from .radix_cache import RadixCache
 from .req import Req
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, per_item
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("fanout.engine")
@@ -108,7 +108,9 @@ class Engine:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  seed: int | None = None, stream: bool = False):
         """Results in index order, or with stream=True an iterator of events in completion
-        order. The seed defaults to sampling_params.seed (of the first item)."""
+        order. `sampling_params`: one object for all items (its seed is the job seed unless
+        `seed` is given) or one per item (an item's own seed makes its samples independent
+        of where it sits)."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("give exactly one of prompts or input_ids")
         if isinstance(prompts, str):
@@ -117,9 +119,7 @@ class Engine:
         if not src:
             raise ValueError("prompts: the batch is empty")
         items = [(i, x, None) if prompts is not None else (i, None, x) for i, x in enumerate(src)]
-        sp = sampling_params or SamplingParams()
-        if seed is None:
-            seed = (sp if isinstance(sp, SamplingParams) else sp[0]).seed
+        sp, seed = per_item(sampling_params, len(items), seed)
         events = self._run(items, sp, seed)
         return events if stream else self._gather(events, len(items))
 
@@ -127,7 +127,7 @@ class Engine:
         tag = object()
         box: list[Event] = []
         self.add(tag, items, sp, seed, sink=box.append)
-        want = sum((sp if isinstance(sp, SamplingParams) else sp[i]).n for i in range(len(items)))
+        want = sum(p.n for p in sp)
         done = 0
         try:
             while done < want:

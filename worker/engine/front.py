@@ -18,12 +18,19 @@ from typing import Any, Callable
 from .detokenizer import Detokenizer
 from .events import Event, Usage
 from .req import Req
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, per_item
 
 
 def derive_seed(job_seed: int, index: int, sample: int) -> int:
     """Seed of sample `sample` of item `index`: the same on any machine, in any batch."""
     h = hashlib.blake2b(f"{job_seed}:{index}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def item_seed(seed: int, sample: int) -> int:
+    """Seed of sample `sample` of an item with its own seed: the same wherever the item sits
+    (its index and job do not enter)."""
+    h = hashlib.blake2b(f"item:{seed}:{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") >> 1
 
 
@@ -70,13 +77,9 @@ class Front:
 
     def add(self, tag: Any, items: list[tuple], params, seed: int | None,
             sink: Callable[[Event], None] | None) -> int:
-        """items: (index, prompt or None, input_ids or None). Returns the job seed used."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(items)
-        if len(params) != len(items):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(items)} items")
-        for p in {id(p): p for p in params}.values():
-            p.validate()
+        """items: (index, prompt or None, input_ids or None); params: one SamplingParams for
+        all or one per item (see sampling_params.per_item). Returns the job seed used."""
+        params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
         for index, prompt, ids in items:
@@ -88,7 +91,8 @@ class Front:
         for (index, _, _), ids, p in zip(items, ids_list, params):
             error = self._check(ids, p)
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
-                        seed=derive_seed(seed, index, j), eos_ids=self.eos_ids,
+                        seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
+                        eos_ids=self.eos_ids,
                         tag=tag, index=index, sample=j) for j in range(p.n)]
             for r in reqs:
                 self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,

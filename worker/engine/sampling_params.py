@@ -1,71 +1,90 @@
-"""Sampling parameters; names follow SGLang."""
+"""Sampling parameters: the one definition of each (name, type, default, bounds, doc).
+
+The engine uses this model; the HTTP API uses it as its request schema and the CLI builds
+its flags from its fields, so they cannot drift. Names follow SGLang. Constructing one
+validates it: a bad value raises pydantic's ValidationError (a ValueError) naming the field.
+This module imports no torch: the API imports it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOKENS = 1 << 20  # bound of every token count; the service sets lower limits (FANOUT_MAX_*)
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    n: int = 1
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0) disables
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens
-    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    presence_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: bool = False
-    skip_special_tokens: bool = True
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+    max_new_tokens: int = Field(128, ge=0, le=MAX_TOKENS, description="new tokens at most per sample")
+    min_new_tokens: int = Field(0, ge=0, le=MAX_TOKENS,
+                                description="EOS and stop_token_ids are masked until this many")
+    n: int = Field(1, ge=1, le=4096, description="samples per item")
+    temperature: float = Field(1.0, ge=0, le=100, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 disables")
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID, description="-1 or 0 disables; 1 is greedy")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p x the top probability")
+    repetition_penalty: float = Field(1.0, gt=0, le=100,
+                                      description="transformers semantics, over prompt and output; 1 disables")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI semantics, over the output")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI semantics, over the output")
+    stop: list[StopString] = Field(default_factory=list, max_length=64,
+                                   description="stop strings (one string or a list): cut from the text")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024,
+                                          description="token ids that end a sample, besides EOS")
+    ignore_eos: bool = Field(False, description="keep going after EOS (up to max_new_tokens)")
+    seed: int | None = Field(None, ge=0, lt=1 << 63, description=(
+        "in one object for all items: the job seed (sample j of item i draws from (seed, i, j)); "
+        "in an item's own params: that item's seed (sample j draws from (seed, j), wherever "
+        "the item sits)"))
+    logprobs: bool = Field(False, description="return the log-probability of each sampled token")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="also the k most likely tokens at each position (needs logprobs)")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens: must be <= max_new_tokens")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def copy(self, **changes) -> "SamplingParams":
-        return replace(self, **changes)
+        """A validated copy with some fields changed."""
+        return SamplingParams.model_validate({**self.model_dump(), **changes})
 
-    def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
-        def bad(name, why):
-            raise ValueError(f"sampling_params.{name}: {why}")
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be an integer >= 0")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            bad("min_new_tokens", "must be an integer >= 0")
-        if self.min_new_tokens > self.max_new_tokens:
-            bad("min_new_tokens", "must be <= max_new_tokens")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            bad("top_k", "must be -1 (off) or an integer >= 1")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be integers >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "must be an integer >= 0")
+def per_item(sampling_params: SamplingParams | list[SamplingParams] | None, count: int,
+             seed: int | None) -> tuple[list[SamplingParams], int | None]:
+    """Normalize "one object for every item, or one per item" -> (one per item, job seed).
+
+    One object: its `seed` is the job seed (unless `seed` is given) and leaves the params,
+    so every item draws from (job seed, index, sample). A list: each item keeps its own
+    `seed`, if any. The job seed is None when none was given (the caller picks one)."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        if seed is None:
+            seed = sampling_params.seed
+        one = sampling_params.copy(seed=None) if sampling_params.seed is not None else sampling_params
+        return [one] * count, seed
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: got {len(params)} for {count} items")
+    return params, seed

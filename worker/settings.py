@@ -1,4 +1,6 @@
-"""Service settings, read from the environment (the CLI's flags set the same variables)."""
+"""Service settings, read from the environment (the CLI's flags set the same variables).
+Shared by the API, the worker and the cron scheduler; it lives in worker/ so the worker
+never imports the web app."""
 from __future__ import annotations
 
 import os
