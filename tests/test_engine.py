@@ -91,6 +91,28 @@ def test_seeded_sampling_reproducible(llama_path):
     assert [s.token_ids for s in other[0].samples] != [s.token_ids for s in alone[0].samples]
 
 
+def test_item_with_its_own_seed_samples_the_same_anywhere(llama_path):
+    eng = Engine(llama_path)
+    base = SamplingParams(max_new_tokens=8, temperature=1.0, n=3)
+    own = base.copy(seed=11)
+    others = ["hello world", "the quick brown fox", "import os"]
+    alone = eng.generate(prompts=["once upon"], sampling_params=[own])[0]
+    # Same item at index 2 of another batch, next to items sampled from a job seed.
+    mixed = eng.generate(prompts=others[:2] + ["once upon"] + others[2:],
+                         sampling_params=[base, base, own, base], seed=5)
+    assert [s.token_ids for s in mixed[2].samples] == [s.token_ids for s in alone.samples]
+    assert len({tuple(s.token_ids) for s in alone.samples}) > 1  # its samples still differ
+    # Items without their own seed keep the job rule: (job seed, index, sample).
+    again = eng.generate(prompts=others[:2] + ["x"] + others[2:], sampling_params=[base] * 4, seed=5)
+    assert [[s.token_ids for s in it.samples] for i, it in enumerate(again) if i != 2] == \
+        [[s.token_ids for s in it.samples] for i, it in enumerate(mixed) if i != 2]
+    # One shared object's seed is the job seed, not a seed per item: items differ.
+    shared = eng.generate(prompts=["once upon", "once upon"], sampling_params=base.copy(seed=11))
+    assert [s.token_ids for s in shared[0].samples] != [s.token_ids for s in shared[1].samples]
+    assert [s.token_ids for s in shared[0].samples] == \
+        [s.token_ids for s in eng.generate(prompts=["once upon"], sampling_params=base, seed=11)[0].samples]
+
+
 def test_parallel_sampling_warms_prefix_once(llama_path):
     eng = Engine(llama_path, page_size=1)
     ids = prompts_ids(2, 200, 201, 500, seed=3)

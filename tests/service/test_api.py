@@ -40,7 +40,16 @@ BAD = [
     ({"prompts": ["a", "b"], "sampling_params": [{}]}, ["body", "sampling_params"], "1 entries for 2 items"),
     ({"prompts": ["a", "b"], "sampling_params": [{}, {"n": 0}]}, ["body", "sampling_params", 1, "n"],
      "greater than or equal"),
+    ({"prompts": ["a"], "sampling_params": {"top_k": 2**63}}, ["body", "sampling_params", "top_k"], "less than"),
+    ({"prompts": ["a"], "sampling_params": {"stop_token_ids": [2**63]}},
+     ["body", "sampling_params", "stop_token_ids", 0], "less than"),
+    ({"prompts": ["a"], "sampling_params": {"top_logprobs": 3}}, ["body", "sampling_params"], "needs logprobs"),
+    ({"prompts": ["a"], "sampling_params": {"seed": 2**63}}, ["body", "sampling_params", "seed"], "less than"),
     ({"prompts": ["a"], "priority": "urgent"}, ["body", "priority"], "high"),
+    ({"prompts": ["a"], "metadata": "note"}, ["body", "metadata"], "valid dictionary"),
+    ({"prompts": ["a"], "metadata": {"k": {"nested": 1}}}, ["body", "metadata", "k"], "valid string"),
+    ({"prompts": ["a"], "metadata": {str(i): "v" for i in range(17)}}, ["body", "metadata"], "at most 16"),
+    ({"prompts": ["a"], "metadata": {"k": "v" * 513}}, ["body", "metadata", "k"], "at most 512"),
     ({"prompts": ["a"], "run_at": "2030-01-01T00:00:00"}, ["body", "run_at"], "timezone"),
     # Configured limits (conftest.LIMITS).
     ({"prompts": ["a"] * 65}, ["body", "prompts"], "FANOUT_MAX_BATCH"),
@@ -107,6 +116,30 @@ def test_scheduled_job_then_cancel_before_it_starts(http, redis, api_pair):
     # The stream ends with the terminal status; SSE replays it and closes.
     text = http.get(f"/v1/jobs/{job['id']}/events").text
     assert text.count("event: status") == 2 and '"status": "canceled"' in text
+
+
+def test_api_and_engine_accept_the_same_sampling_fields_with_the_same_defaults(http):
+    """One definition: the HTTP schema of sampling_params is the engine's SamplingParams."""
+    from worker.engine.sampling_params import SamplingParams
+    spec = http.get("/openapi.json").json()
+    schema = spec["components"]["schemas"]["SamplingParams"]
+    fields = SamplingParams.model_fields
+    assert set(schema["properties"]) == set(fields)
+    assert schema.get("additionalProperties") is False
+    for name, f in fields.items():
+        prop = schema["properties"][name]
+        assert prop.get("default") == f.get_default(call_default_factory=True), name
+        assert prop.get("description") == f.description, name
+    # Every numeric field is bounded on both sides (seed: 0 <= seed < 2**63).
+    for name, prop in schema["properties"].items():
+        types = [prop] + prop.get("anyOf", [])
+        for t in types:
+            if t.get("type") in ("integer", "number"):
+                assert ("minimum" in t or "exclusiveMinimum" in t) and \
+                    ("maximum" in t or "exclusiveMaximum" in t), name
+    # And what the API accepts, the engine accepts, with the same normalization.
+    body = {"n": 2, "stop": "x", "seed": 3, "top_k": 5, "logprobs": True, "top_logprobs": 4}
+    assert SamplingParams(**body).stop == ["x"]
 
 
 def test_idempotency_key_returns_the_same_job(http):

@@ -69,6 +69,42 @@ def test_chat_messages_use_the_tokenizer_template(client, engine, redis):
     assert service_ids(items) == engine_ids(engine, 0, SamplingParams(**sp), input_ids=ids)
 
 
+def test_an_item_with_its_own_seed_gives_the_same_samples_in_any_job(client, engine, redis):
+    own = {"max_new_tokens": 6, "n": 2, "temperature": 1.0, "seed": 99}
+    rest = {"max_new_tokens": 6, "n": 2, "temperature": 1.0}
+    first = client.submit(prompts=["Hello", "def fibonacci(n):"], sampling_params=[rest, own], seed=1)
+    second = client.submit(prompts=["import os", "The quick", "def fibonacci(n):"],
+                           sampling_params=[rest, rest, own], seed=2)
+    for job in (first, second):
+        follow(redis, job["id"])
+    a, b = service_ids(client.results(first["id"])), service_ids(client.results(second["id"]))
+    assert [a[(1, j)] for j in range(2)] == [b[(2, j)] for j in range(2)]
+    # Equal to the engine's answer for that item alone, and its two samples differ.
+    alone = engine.generate(prompts=["def fibonacci(n):"], sampling_params=[SamplingParams(**own)])[0]
+    assert [s.token_ids for s in alone.samples] == [b[(2, j)] for j in range(2)]
+    assert b[(2, 0)] != b[(2, 1)]
+    # Items without their own seed follow the job seed: (seed, index, sample).
+    ref = engine_ids(engine, 2, [SamplingParams(**rest)] * 2, prompts=["import os", "The quick"])
+    assert {k: v for k, v in b.items() if k[0] < 2} == ref
+
+
+def test_a_payload_that_does_not_parse_fails_at_once_without_retry(redis, worker):
+    from rq import Queue, Retry
+    from rq.registry import FailedJobRegistry
+
+    from worker.spec import JOB_FUNC, QUEUES
+    q = Queue(QUEUES["high"], connection=redis, serializer=JSONSerializer)
+    job = q.enqueue(JOB_FUNC, kwargs={"spec": {"prompts": ["a"], "sampling_params": [{"n": "two"}],
+                                               "seed": 1}}, retry=Retry(max=2))
+    events = follow(redis, job.id, timeout=20)
+    assert events[-1][1]["status"] == "failed"
+    assert "sampling_params.0.n" in events[-1][1]["error"], events
+    job.refresh()
+    assert job.get_status() == "failed" and job.retries_left == 0
+    assert job.id in FailedJobRegistry(q.name, connection=redis)
+    assert [e["type"] for _, e in events].count("attempt") == 0
+
+
 def test_sse_resumes_after_a_dropped_connection_without_gap_or_duplicate(client, api_pair, redis):
     job = client.submit(prompts=PROMPTS, sampling_params={"max_new_tokens": 40, "ignore_eos": True})
     got = []

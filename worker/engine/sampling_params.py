@@ -34,9 +34,9 @@ class SamplingParams(BaseModel):
                                       description="transformers semantics, over prompt and output; 1 disables")
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI semantics, over the output")
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI semantics, over the output")
-    stop: list[StopString] = Field(default_factory=list, max_length=64,
+    stop: list[StopString] = Field([], max_length=64,
                                    description="stop strings (one string or a list): cut from the text")
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024,
+    stop_token_ids: list[TokenId] = Field([], max_length=1024,
                                           description="token ids that end a sample, besides EOS")
     ignore_eos: bool = Field(False, description="keep going after EOS (up to max_new_tokens)")
     seed: int | None = Field(None, ge=0, lt=1 << 63, description=(
