@@ -11,7 +11,10 @@ import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
@@ -26,14 +29,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.settings = settings
         app.state.redis = redis.Redis.from_url(settings.redis_url)
-        app.state.aredis = aioredis.Redis.from_url(settings.redis_url)
+        # The SSE relay's XREAD blocks up to sse_keepalive seconds: a socket timeout under
+        # that (redis-py 8 defaults to 5 s) would fail every idle stream.
+        app.state.aredis = aioredis.Redis.from_url(settings.redis_url,
+                                                   socket_timeout=settings.sse_keepalive + 10)
         yield
         await app.state.aredis.aclose()
         app.state.redis.close()
 
-    app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan,
+    # FastAPI's own /docs and /redoc load their JS and CSS from a CDN, blank offline: /docs
+    # is served with the Swagger UI files of the swagger-ui-bundle-v2 package; no ReDoc.
+    app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Batch text generation: submit a job, follow its stream, fetch results.")
     app.include_router(router)
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(request: Request):
+        root = request.scope.get("root_path", "")  # behind a proxy that strips a prefix
+        return get_swagger_ui_html(
+            openapi_url=root + app.openapi_url, title=app.title + " - Swagger UI",
+            swagger_js_url=f"{root}/docs/static/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}/docs/static/swagger-ui.css",
+            swagger_favicon_url=f"{root}/docs/static/favicon-32x32.png")
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)

@@ -1,0 +1,41 @@
+"""An idle SSE stream at the default keep-alive (15 s) stays open: the relay's blocking XREAD
+outlasts redis-py's default 5 s socket timeout only if the API's client allows it."""
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+import httpx
+
+from conftest import LIMITS, start_api
+
+HOLD_S = 40
+
+
+def test_idle_stream_gets_keepalives_at_the_default_interval(redis_url, tmp_path, monkeypatch):
+    # The shared fixtures use a 1 s keep-alive, under redis-py's 5 s timeout: this API uses 15 s.
+    monkeypatch.setitem(LIMITS, "FANOUT_SSE_KEEPALIVE", "15")
+    api, url = start_api(redis_url, tmp_path, "api-idle")
+    try:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(10.0, read=30.0)) as http:
+            run_at = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+            job = http.post("/v1/jobs", json={"prompts": ["a"], "run_at": run_at}).json()
+            assert job["status"] == "scheduled"
+            with http.stream("GET", f"/v1/jobs/{job['id']}/events") as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                start, keepalives = time.monotonic(), 0
+                for line in lines:
+                    keepalives += line == ": keep-alive"
+                    if time.monotonic() - start >= HOLD_S:
+                        break
+                assert keepalives >= 2, f"{keepalives} keep-alives in {HOLD_S} s"
+                assert api.alive() and not r.is_closed
+
+                assert http.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "canceled"
+                data = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: ")]
+            assert data[-1]["type"] == "status" and data[-1]["status"] == "canceled"
+    finally:
+        api.stop()
+    with open(api.log_path) as f:
+        log = f.read()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
