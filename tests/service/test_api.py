@@ -51,6 +51,7 @@ BAD = [
     ({"prompts": ["a"], "metadata": {str(i): "v" for i in range(17)}}, ["body", "metadata"], "at most 16"),
     ({"prompts": ["a"], "metadata": {"k": "v" * 513}}, ["body", "metadata", "k"], "at most 512"),
     ({"prompts": ["a"], "run_at": "2030-01-01T00:00:00"}, ["body", "run_at"], "timezone"),
+    ({"prompts": ["a"], "run_at": "1969-12-31T23:59:59Z"}, ["body", "run_at"], "after 1970"),
     # Configured limits (conftest.LIMITS).
     ({"prompts": ["a"] * 65}, ["body", "prompts"], "FANOUT_MAX_BATCH"),
     ({"prompts": ["a"], "sampling_params": {"max_new_tokens": 1001}}, ["body", "sampling_params", "max_new_tokens"],
@@ -88,6 +89,23 @@ def test_unknown_job_is_404_everywhere(http):
         r = http.request(method, path)
         assert r.status_code == 404, (method, path, r.text)
         assert r.json() == {"detail": "job not found: nope"}
+
+
+def test_bad_stream_ids_get_422(http):
+    job = http.post("/v1/jobs", json={"prompts": ["a"], "run_at": later()}).json()
+    url = f"/v1/jobs/{job['id']}/events"
+    for headers, params, loc in [
+            ({"Last-Event-ID": "99999999999999999999999"}, {}, ["header", "last-event-id"]),
+            ({"Last-Event-ID": "1-18446744073709551616"}, {}, ["header", "last-event-id"]),
+            ({}, {"after": "123\n"}, ["query", "after"]),
+            ({}, {"after": "1-2-3"}, ["query", "after"])]:
+        r = http.get(url, headers=headers, params=params)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (headers, params, r.text)
+    http.post(f"/v1/jobs/{job['id']}/cancel")
+    # Resuming after the terminal entry (here: the largest id there is) ends the stream
+    # after one keep-alive instead of waiting forever.
+    r = http.get(url, params={"after": "18446744073709551615-0"})
+    assert r.status_code == 200 and r.text == ": keep-alive\n\n"
 
 
 def test_scheduled_job_then_cancel_before_it_starts(http, redis, api_pair):

@@ -1,4 +1,5 @@
-"""The `fanout` CLI, recurring jobs, and the deployment files (checked by parsing)."""
+"""The `fanout` CLI and recurring jobs (the deployment files: tests/test_deploy.py)."""
+import argparse
 import json
 import os
 import re
@@ -6,15 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
-import yaml
+import redis as redis_lib
 
-from api import batchfile, cron
+from api import batchfile, cron, jobs
 from worker.settings import Settings
 from results import reader
 from results.client import Client
-from worker.cli import free_port, main
+from worker.cli import EmbeddedRedis, free_port, main, parser
 from worker.engine import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,56 +91,204 @@ def test_cron_config_submits_jobs_through_rq_cron(tmp_path, redis, redis_url, wo
         cron.load(str(bad), redis, Settings(redis_url=redis_url))
 
 
-def test_compose_and_dockerfile():
-    with open(os.path.join(ROOT, "compose.yaml")) as f:
-        compose = yaml.safe_load(f)
-    services = compose["services"]
-    assert {"redis", "api", "worker"} <= set(services)
-    gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert services["worker"]["command"][:2] == ["fanout", "worker"]
-    assert services["api"]["command"][:2] == ["fanout", "api"]
-    for name in ("api", "worker"):
-        assert services[name]["environment"]["REDIS_URL"].startswith("redis://redis:")
-        assert services[name].get("build") == "."
-    assert int(services["worker"]["stop_grace_period"].rstrip("s")) > 30  # > the drain timeout
+def test_every_command_has_help_for_each_flag_its_defaults_and_an_example(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: defaults stay in one piece
+    ap = parser()
+    commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) == {"up", "api", "worker", "cron", "submit", "status", "results", "cancel", "generate"}
+    for name, p in commands.items():
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert re.search(rf"^examples?:\n  fanout {name} ", text, re.M), text
+        for a in p._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            shown = " ".join(p._get_formatter()._format_action(a).split())
+            assert a.help and shown in " ".join(text.split()), (name, a.dest)
+            if a.option_strings and a.default not in (None, False):
+                assert f"(default: {a.default})" in shown, (name, shown)
+    up = " ".join(commands["up"].format_help().split())
+    for flag in ("--dtype", "--kv-tokens", "--page-size", "--max-running", "--drain-timeout",
+                 "--delta-interval", "--data-dir"):
+        assert flag in up
+    assert "(default: 30.0)" in up and "(default: 6380)" in up
 
-    with open(os.path.join(ROOT, "Dockerfile")) as f:
-        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-    assert lines[0].startswith("FROM python:3.1")
-    for ln in lines:
-        if ln.startswith("COPY"):
-            for src in ln.split()[1:-1]:
-                assert os.path.exists(os.path.join(ROOT, src)), src
-    assert any(ln.startswith("RUN pip install .") for ln in lines)
-    assert json.loads(lines[-1].removeprefix("CMD "))[:2] == ["fanout", "api"]
+
+def test_submit_metadata_and_idempotency_key(tmp_path, api_url, capsys):
+    src = write_lines(tmp_path / "job.jsonl", ["hello"])
+    # run_at far ahead: the job waits as scheduled, no worker needed
+    argv = ["submit", src, "--url", api_url, "--no-wait", "--run-at", "2099-01-01T00:00:00Z",
+            "--metadata", "team=search", "--metadata", '{"run": "7", "team": "eval"}',
+            "--idempotency-key", uuid.uuid4().hex]
+    main(argv)
+    first = json.loads(capsys.readouterr().out)
+    main(argv)
+    assert json.loads(capsys.readouterr().out)["id"] == first["id"]  # the same job, not a second one
+    main(["status", first["id"], "--url", api_url])
+    info = json.loads(capsys.readouterr().out)
+    assert (info["status"], info["metadata"]) == ("scheduled", {"team": "eval", "run": "7"})
+    with pytest.raises(SystemExit, match=r"^fanout submit: Idempotency-Key was used before with a different body$"):
+        main(argv + ["--max-new-tokens", "3"])
+    with pytest.raises(SystemExit, match=r"^fanout submit: .*metadata\.k.* at most 512 characters[^\n]*$"):
+        main(["submit", src, "--url", api_url, "--no-wait", "--metadata", "k=" + "x" * 513])
+    with pytest.raises(SystemExit):
+        main(["submit", src, "--url", api_url, "--metadata", "no-equals-sign"])
+    assert "expected key=value or a JSON object" in capsys.readouterr().err
+    main(["cancel", first["id"], "--url", api_url])
+    assert json.loads(capsys.readouterr().out)["status"] == "canceled"
+
+
+def _env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(tmp_path / "cache"),
+               XDG_DATA_HOME=str(tmp_path / "share"))
+    return env
+
+
+def test_errors_are_one_line_without_a_traceback(tmp_path, api_url):
+    with Client(api_url) as c:
+        job = c.submit(prompts=["x"], run_at="2099-01-01T00:00:00Z")
+        c.cancel(job["id"])
+    bad = write_lines(tmp_path / "bad.jsonl", [{"prompt": "a"}])
+    with open(bad, "a") as f:
+        f.write("{not json\n")
+    missing = str(tmp_path / "no-such-model")
+    down = f"http://127.0.0.1:{free_port()}"
+    cases = {  # argv: the last line of stderr (a prefix of it where it ends with "...")
+        ("status", "doesnotexist", "--url", api_url): "fanout status: job not found: doesnotexist",
+        ("cancel", job["id"], "--url", api_url): "fanout cancel: job already canceled",
+        ("results", "abc", "--url", down): f"fanout results: cannot reach the API at {down}: "
+                                           "[Errno 111] Connection refused",
+        ("submit", bad, "--url", api_url): f"fanout submit: {bad}:2: not JSON: ...",
+        ("submit", bad + "-missing", "--url", api_url): f"fanout submit: {bad}-missing: No such file or directory",
+        ("worker", "--model", "some-org/some-model", "--device", "cpu"):
+            "fanout worker: model 'some-org/some-model' is not a local folder, and fetching it from "
+            "the Hugging Face Hub failed: ...",
+        ("worker", "--model", missing, "--device", "cpu"): f"fanout worker: model folder '{missing}' does not exist",
+        ("up", "--model", missing, "--device", "cpu", "--port", str(free_port()),
+         "--redis-port", str(free_port()), "--data-dir", str(tmp_path / "data")):
+            "fanout up: the worker exited during start-up (exit code 1)",
+    }
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "worker.cli", *argv], env=_env(tmp_path), cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for argv in cases}  # all at once: most of the time is Python starting
+    for argv, want in cases.items():
+        err = procs[argv].communicate(timeout=120)[1]
+        assert procs[argv].returncode != 0 and "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        if argv[0] == "up":  # the worker's own line, then up's; between them, the API's log
+            assert f"fanout worker: model folder '{missing}' does not exist" in lines, err
+        else:
+            assert len(lines) == 1, err
+        assert lines[-1].startswith(want.removesuffix("...")) if want.endswith("...") else lines[-1] == want, err
+
+
+class Up:
+    """`fanout up` as a subprocess, its output (and its children's) in a file."""
+
+    def __init__(self, tmp_path, name, *args):
+        self.log_path = tmp_path / f"{name}.log"
+        self.port = free_port()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "up", "--port", str(self.port), "--redis-port",
+                 str(free_port()), *args], env=_env(tmp_path), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout=90) -> tuple[str, str]:
+        """(the API's URL, REDIS_URL), once `fanout up` says it is ready."""
+        deadline = time.monotonic() + timeout
+        while not (m := re.search(r"fanout: ready: API on (\S+) .*REDIS_URL=(\S+);", self.output())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
+            time.sleep(0.1)
+        return m.group(1), m.group(2)
+
+    def stop(self, signals=1, timeout=60) -> int:
+        for i in range(signals):
+            if i:
+                time.sleep(0.5)
+            self.proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.proc.kill()
+
+
+def statuses(client, job_id):
+    return [e["status"] for _, e in client.events(job_id, timeout=60) if e["type"] == "status"]
 
 
 def test_fanout_up_runs_everything_and_stops_cleanly(tmp_path):
     """No REDIS_URL and no model: an embedded Redis and the random-weight demo model."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=ROOT)
-    log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port), "--device", "cpu"],
-                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    up = Up(tmp_path, "up", "--device", "cpu")
     try:
-        with Client(f"http://127.0.0.1:{port}") as c:
-            deadline = time.monotonic() + 90
-            while True:  # the job waits in the queue until the worker is up
-                try:
-                    job = c.submit(prompts=["hi"], sampling_params={"max_new_tokens": 3})
-                    break
-                except Exception:
-                    assert up.poll() is None and time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-                    time.sleep(0.2)
-            assert [e["status"] for _, e in c.events(job["id"], timeout=90) if e["type"] == "status"][-1] \
-                == "succeeded"
+        url, redis_url = up.wait_ready()
+        with Client(url) as c:
+            job = c.submit(prompts=["hi"], sampling_params={"max_new_tokens": 3})
+            assert statuses(c, job["id"])[-1] == "succeeded"
     finally:
-        up.send_signal(signal.SIGINT)  # what Ctrl-C does
-        code = up.wait(60)
-        log.close()
-    text = (tmp_path / "up.log").read_text()
+        code = up.stop()
+    text = up.output()
     assert code == 0, text
     assert "RANDOM-WEIGHT demo model" in text and "meaningless" in text
+    # The worker says what it loaded, and up says ready only after it.
+    loaded = re.search(r"loaded \S+demo-model on cpu, float32; KV cache \d+ tokens \(\d+ pages of 16\), \d+ MiB", text)
+    assert loaded and loaded.end() < text.index("fanout: ready"), text
+    assert f"REDIS_URL={redis_url} (embedded Redis, data in {tmp_path / 'share' / 'fanout' / 'redis'})" in text
     assert "Traceback" not in text, text[text.find("Traceback") - 300:][:4000]
+
+
+def test_fanout_up_keeps_jobs_across_restarts_and_a_second_ctrl_c_hands_back_at_once(tmp_path, model_dir):
+    data = tmp_path / "data"
+    args = ["--model", model_dir, "--device", "cpu", "--data-dir", str(data)]
+    up = Up(tmp_path, "up1", *args, "--max-running", "1")  # one request at a time: a long job
+    try:
+        url, _ = up.wait_ready()
+        with Client(url) as c:
+            done = c.submit(prompts=["a", "b"], sampling_params={"max_new_tokens": 3}, metadata={"k": "v"})
+            assert statuses(c, done["id"])[-1] == "succeeded"
+            # 400 requests of 40 tokens one after the other: longer than the 10 s allowed to stop
+            long = c.submit(prompts=["x"] * 400, sampling_params={"max_new_tokens": 40, "ignore_eos": True})
+            follow = c.events(long["id"], timeout=60)
+            next(e for _, e in follow if e["type"] == "final")  # running, and one sample stored
+            follow.close()
+    finally:
+        t0 = time.monotonic()
+        code = up.stop(signals=2)  # the first asks for a 30 s drain; the second cuts it short
+        took = time.monotonic() - t0
+    text = up.output()
+    assert code == 0 and "Traceback" not in text, text
+    assert took < 10, f"{took:.1f}s to stop\n{text}"
+    assert "second signal: handing back 1 running jobs now" in text, text
+
+    # What the embedded Redis kept in the data dir: the handed-back job, queued.
+    server = EmbeddedRedis(data_dir=str(data))
+    r = redis_lib.Redis.from_url(server.url)
+    try:
+        kept = jobs.describe(r, long["id"])
+        assert kept["status"] == "queued" and 1 <= kept["progress"]["done"] < 400, kept
+        assert jobs.describe(r, done["id"])["status"] == "succeeded"
+    finally:
+        r.close()
+        server.stop()
+
+    up = Up(tmp_path, "up2", *args)
+    try:
+        url, _ = up.wait_ready()
+        with Client(url) as c:
+            entries = [e for _, e in c.events(long["id"], timeout=60)]
+            assert [e["status"] for e in entries if e["type"] == "status"] == \
+                ["queued", "running", "queued", "running", "succeeded"]  # the third: the hand-back
+            assert [int(e["attempt"]) for e in entries if e["type"] == "attempt"] == [1, 2]
+            items = c.results(long["id"])
+            assert len(items) == 400 and all(len(it["samples"][0]["token_ids"]) == 40 for it in items)
+            info = c.status(done["id"])
+            assert (info["status"], info["metadata"], info["progress"]["done"]) == ("succeeded", {"k": "v"}, 2)
+            assert [len(it["samples"][0]["token_ids"]) for it in c.results(done["id"])] == [3, 3]
+    finally:
+        code = up.stop()
+    assert code == 0, up.output()

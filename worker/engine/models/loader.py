@@ -30,6 +30,8 @@ def resolve_model_path(path: str) -> str:
         return path
     if os.path.exists(path):
         raise ValueError(f"model path {path!r} is a file; expected a model folder")
+    if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:  # not org/name
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model",
