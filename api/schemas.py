@@ -108,6 +108,18 @@ class JobInfo(BaseModel):
     batching: Batching
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str = Field(description="the token decoded alone")
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """One generated token: the log_softmax of the model's raw logits (before penalties,
+    temperature and filters) at its position."""
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens, best first")
+
+
 class SampleOut(BaseModel):
     sample: int
     text: str
@@ -115,6 +127,8 @@ class SampleOut(BaseModel):
     finish_reason: str
     usage: Usage
     error: str | None
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="one per token of token_ids; null unless the sample asked (`logprobs: true`)")
 
 
 class ItemOut(BaseModel):

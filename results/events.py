@@ -2,17 +2,23 @@
 stays readable.
 
     type=attempt  attempt worker                      an attempt (re)starts the job
-    type=delta    index sample delta delta_ids        new text / token ids of one sample
-    type=final    index sample delta delta_ids text token_ids finish_reason usage
+    type=delta    index sample delta delta_ids [logprobs]
+                                                      new text / token ids of one sample
+                                                      (logprobs: the records of delta_ids)
+    type=final    index sample delta delta_ids text token_ids finish_reason usage [logprobs]
                                                       the sample finished; `delta*` is the
-                                                      last piece, `text`/`token_ids` the whole
+                                                      last piece, `text`/`token_ids` the whole,
+                                                      `logprobs` the whole sample's records
     type=error    index sample error                  the sample failed (e.g. prompt too long)
     type=status   status [done total failed error]    the job's status changed
 
 Rebuilding: concatenate `delta` of the delta and final entries of each (index, sample).
 An `attempt` entry after the first means a retry: drop the partial deltas of samples that
 have no final yet (the new attempt regenerates them from the start, same seed).
-Integers are decimal strings; `delta_ids`, `token_ids` and `usage` are JSON.
+Integers are decimal strings; `delta_ids`, `token_ids`, `usage` and `logprobs` are JSON.
+`logprobs` is there only for samples that asked (`logprobs: true`): one record per token,
+`{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}, ...]}`
+(see worker/engine/events.py).
 """
 from __future__ import annotations
 
@@ -23,24 +29,33 @@ ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "st
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 
 _INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed"})
-_JSON = frozenset({"delta_ids", "token_ids", "usage"})
+_JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs"})
 
 
 def attempt(number: int, worker: str) -> dict[str, str]:
     return {"type": ATTEMPT, "attempt": str(number), "worker": worker}
 
 
-def delta(index: int, sample: int, text: str, token_ids: list[int]) -> dict[str, str]:
-    return {"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
-            "delta_ids": json.dumps(token_ids)}
+def delta(index: int, sample: int, text: str, token_ids: list[int],
+          logprobs: list[dict] | None = None) -> dict[str, str]:
+    return _with_logprobs({"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
+                           "delta_ids": json.dumps(token_ids)}, logprobs)
 
 
 def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict) -> dict[str, str]:
     """`record` is the stored sample (see results.store.sample_record)."""
-    return {"type": FINAL, "index": str(index), "sample": str(sample), "delta": text_delta,
-            "delta_ids": json.dumps(ids_delta), "text": record["text"],
-            "token_ids": json.dumps(record["token_ids"]), "finish_reason": record["finish_reason"],
-            "usage": json.dumps(record["usage"])}
+    return _with_logprobs({"type": FINAL, "index": str(index), "sample": str(sample), "delta": text_delta,
+                           "delta_ids": json.dumps(ids_delta), "text": record["text"],
+                           "token_ids": json.dumps(record["token_ids"]),
+                           "finish_reason": record["finish_reason"], "usage": json.dumps(record["usage"])},
+                          record["logprobs"])
+
+
+def _with_logprobs(fields: dict[str, str], logprobs: list[dict] | None) -> dict[str, str]:
+    """Only samples that asked carry the field: the others' entries stay small."""
+    if logprobs is not None:
+        fields["logprobs"] = json.dumps(logprobs)
+    return fields
 
 
 def error(index: int, sample: int, message: str) -> dict[str, str]:

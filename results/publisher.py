@@ -31,8 +31,9 @@ class Batch:
         self.pipe.hset(keys.info(job_id), "attempt", number)
         self.pipe.xadd(keys.stream(job_id), events.attempt(number, worker))
 
-    def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int]) -> None:
-        self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids))
+    def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int],
+              logprobs: list[dict] | None = None) -> None:
+        self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids, logprobs))
 
     def final(self, job_id: str, index: int, sample: int, text_delta: str, ids_delta: list[int],
               record: dict, item_done: bool, item_failed: bool) -> None:

@@ -12,7 +12,8 @@ from . import events, keys
 def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
            block_ms: int = 1000) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (entry id, entry) after `last_id` until the job's terminal status entry.
-    Raises TimeoutError if that takes longer than `timeout` seconds."""
+    Raises TimeoutError if that takes longer than `timeout` seconds. `block_ms` must stay
+    under the client's socket timeout (redis-py's default: 5 s), or an idle XREAD times out."""
     deadline = None if timeout is None else time.monotonic() + timeout
     key = keys.stream(job_id)
     while True:
@@ -34,6 +35,7 @@ class Rebuilt:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[dict] | None = None  # when the sample asked
 
 
 class Rebuilder:
@@ -60,3 +62,6 @@ class Rebuilder:
             out.token_ids += entry["delta_ids"]
             if kind == events.FINAL:
                 out.finish_reason = entry["finish_reason"]
+                out.logprobs = entry.get("logprobs")  # the whole sample's
+            elif "logprobs" in entry:
+                out.logprobs = (out.logprobs or []) + entry["logprobs"]

@@ -12,10 +12,12 @@ from . import keys
 
 
 def sample_record(text: str, token_ids: list[int], finish_reason: str, usage: dict | None,
-                  error: str | None = None) -> dict[str, Any]:
+                  error: str | None = None, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    """`logprobs`: one record per token of token_ids (worker/engine/events.py), None when
+    not asked."""
     return {"text": text, "token_ids": token_ids, "finish_reason": finish_reason,
             "usage": usage or {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0},
-            "error": error}
+            "error": error, "logprobs": logprobs}
 
 
 def put(redis, job_id: str, index: int, sample: int, record: dict) -> None:

@@ -200,18 +200,41 @@ def test_in_batch_prefix_shared_once(llama_path):
     assert eng.scheduler.prefill_tokens_total == 305 + 3 * 5 + 2 * 0  # decode tokens not counted
 
 
-def test_logprobs_match_transformers(tiny_models):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_match_transformers(tiny_models, temperature):
+    """Each token's logprob and its top 5 (ids, order, values) are transformers' log_softmax
+    of the logits teacher-forced on prompt + output, greedy or sampled."""
     path = tiny_models["llama"]
     hf = hf_model(path)
-    ids = prompts_ids(1, 20, 21, hf.config.vocab_size, seed=6)[0]
+    ids, other = prompts_ids(2, 20, 21, hf.config.vocab_size, seed=6)
     eng = Engine(path)
-    s = eng.generate(input_ids=[ids], sampling_params=SamplingParams(
-        max_new_tokens=5, min_new_tokens=5, temperature=0, logprobs=True))[0].samples[0]
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=temperature, seed=3,
+                        logprobs=True, top_logprobs=5)
+    # Next to an item that does not ask: its rows pay nothing and it gets none.
+    events = list(eng.generate(input_ids=[ids, other], stream=True,
+                               sampling_params=[sp, sp.copy(logprobs=False, top_logprobs=0)]))
+    final = next(ev for ev in events if ev.finished and ev.index == 0)
+    assert next(ev for ev in events if ev.finished and ev.index == 1).logprobs is None
+    assert [r for ev in events if ev.index == 0 for r in ev.logprobs_delta] == final.logprobs
+    out, lps = final.token_ids, final.logprobs
+    assert len(out) == 8 and [r["token_id"] for r in lps] == out
     with torch.no_grad():
-        full = torch.tensor([ids + s.token_ids])
-        ref = torch.log_softmax(hf(full).logits[0, len(ids) - 1:-1], -1)
-    want = ref[torch.arange(5), torch.tensor(s.token_ids)]
-    assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+        ref = torch.log_softmax(hf(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1], -1)
+    want = ref[torch.arange(8), torch.tensor(out)]
+    assert torch.allclose(torch.tensor([r["logprob"] for r in lps]), want, atol=1e-4)
+    top = ref.topk(5, dim=-1)
+    assert [[t["token_id"] for t in r["top_logprobs"]] for r in lps] == top.indices.tolist()
+    got = torch.tensor([[t["logprob"] for t in r["top_logprobs"]] for r in lps])
+    assert torch.allclose(got, top.values, atol=1e-4)
+    tok = eng.tokenizer
+    assert all(t["token"] == tok.decode([t["token_id"]]) for r in lps for t in [r, *r["top_logprobs"]])
+    is_best = [r["token_id"] == r["top_logprobs"][0]["token_id"] for r in lps]
+    # Greedy picks the best raw token; sampling at temperature 1 does not always.
+    assert all(is_best) if temperature == 0 else not all(is_best)
+    # The non-streamed result carries the same records (alone in its batch: float noise apart).
+    again = eng.generate(input_ids=[ids], sampling_params=[sp])[0].samples[0]
+    assert again.token_ids == out and len(again.logprobs) == 8
+    assert torch.allclose(torch.tensor([r["logprob"] for r in again.logprobs]), want, atol=1e-4)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -254,15 +254,24 @@ def test_min_new_tokens_masks_eos_and_stop_tokens():
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
+    """Before penalties and temperature; top tokens only where asked, k of them, best first."""
     V = 30
-    logits = logits_for(4, V, seed=7)
-    reqs = [req(seed=0, temperature=0.0, logprobs=True), req(seed=1, temperature=0.5),
-            req(seed=2, output_ids=[1, 1], repetition_penalty=1.5, top_k=3),
-            req(seed=3, temperature=0.0)]
+    logits = logits_for(5, V, seed=7)
+    reqs = [req(seed=0, temperature=0.0, logprobs=True, top_logprobs=5), req(seed=1, temperature=0.5),
+            req(seed=2, output_ids=[1, 1], repetition_penalty=1.5, top_k=3, logprobs=True),
+            req(seed=3, temperature=2.0, logprobs=True, top_logprobs=20),
+            req(seed=4, temperature=0.0, logprobs=True, top_logprobs=1)]
     out = Sampler(V, "cpu")(logits, reqs)
     ref = torch.log_softmax(logits, -1)
-    for i, t in enumerate(out.token_ids):
-        assert math.isclose(out.logprobs[i], ref[i, t].item(), rel_tol=1e-6, abs_tol=1e-6)
+    assert out.logprobs[1] is None
+    for i in (0, 2, 3, 4):
+        t, lp, k = out.token_ids[i], out.logprobs[i], reqs[i].params.top_logprobs
+        assert math.isclose(lp.logprob, ref[i, t].item(), rel_tol=1e-6, abs_tol=1e-6)
+        want = ref[i].sort(descending=True)
+        assert [tok for tok, _ in lp.top] == want.indices[:k].tolist()
+        assert torch.allclose(torch.tensor([v for _, v in lp.top]), want.values[:k], rtol=1e-6, atol=1e-6)
+    assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy: the best of the raw logits
+    assert Sampler(V, "cpu")(logits, [req(seed=1, temperature=0.5)] * 5).logprobs is None
 
 
 def test_bad_logits_shape_is_named():

@@ -183,6 +183,12 @@ def cmd_api(args) -> None:
                 workers=args.workers, log_level="info")
 
 
+def worker_name() -> str:
+    # A random part: a container restarted after kill -9 has the same hostname and pid, and
+    # rq refuses a name whose dead owner's key has not expired yet (up to 8 minutes).
+    return f"fanout-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
 def cmd_worker(args) -> None:
     from worker.settings import Settings
     from worker.consumer import Consumer
@@ -199,7 +205,7 @@ def cmd_worker(args) -> None:
         r.kv_tokens // r.page_size, r.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
     consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
-                        name=args.name, drain_timeout=args.drain_timeout,
+                        name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval)
     consumer.run(burst=args.burst)
 
@@ -348,9 +354,11 @@ def cmd_submit(args) -> None:
                 if left[entry["index"]] == 0:
                     bar.update(1)
                 if args.stream:
-                    tqdm.write(json.dumps({k: entry.get(k) for k in
-                                           ("index", "sample", "text", "finish_reason", "error")},
-                                          ensure_ascii=False), file=sys.stdout)
+                    # The sample as /results has it (logprobs only when asked).
+                    keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
+                            "logprobs")
+                    tqdm.write(json.dumps({k: entry[k] for k in keys if k in entry}, ensure_ascii=False),
+                               file=sys.stdout)
             elif entry["type"] == "status":
                 status = entry["status"]
         bar.close()
@@ -580,10 +588,8 @@ example:
     _options(p, ENGINE_OPTIONS)
     _options(p, WORKER_OPTIONS)
     p.add_argument("--redis-url", **redis_url)
-    # A random part: a container restarted after kill -9 has the same hostname and pid, and
-    # rq refuses a name whose dead owner's key has not expired yet (up to 8 minutes).
-    p.add_argument("--name", default=f"fanout-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}",
-                   help="rq worker name (unique among live workers)")
+    p.add_argument("--name", default=None, help="rq worker name, unique among live workers "
+                   "(default: fanout-HOST-PID-RANDOM)")
     p.add_argument("--burst", action="store_true", help="exit when the queues are empty")
 
     p = command("cron", "submit the recurring jobs of a JSON config (rq's cron scheduler)", """\

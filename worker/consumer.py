@@ -71,7 +71,8 @@ class Active:
     remaining: int  # samples to finish in this attempt
     deadline: float  # monotonic time of the job timeout
     failed_items: set[int] = field(default_factory=set)
-    pending: dict[tuple[int, int], tuple[str, list[int]]] = field(default_factory=dict)  # unsent deltas
+    # Unsent deltas: text, token ids, logprobs records (None when not asked).
+    pending: dict[tuple[int, int], tuple[str, list[int], list[dict] | None]] = field(default_factory=dict)
     streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
     steps: int = 0
     max_batch_jobs: int = 0
@@ -125,6 +126,7 @@ class Consumer(BaseWorker):
                     # The engine's state is unknown now: give the jobs back to rq (retried
                     # if they have retries left) and exit; a supervisor restarts the worker.
                     exc = traceback.format_exc()
+                    log.error("engine step failed; exiting:\n%s", exc)  # the CLI says only its last line
                     for a in list(self.active.values()):
                         self.fail(a, exc, abort=False)
                     raise
@@ -281,27 +283,30 @@ class Consumer(BaseWorker):
             if a is None or (ev.index, ev.sample) in a.skip:
                 continue  # a canceled / handed-back job, or a sample stored by an earlier attempt
             key = (ev.index, ev.sample)
-            text, ids = a.pending.pop(key, ("", []))
+            text, ids, lps = a.pending.pop(key, ("", [], None))
             text, ids = text + ev.text_delta, ids + ev.token_ids_delta
+            if ev.logprobs_delta is not None:
+                lps = (lps or []) + ev.logprobs_delta
             if not ev.finished:
                 if key not in a.streaming:  # a sample's first tokens go out at once
                     a.streaming.add(key)
-                    batch.delta(a.job.id, ev.index, ev.sample, text, ids)
+                    batch.delta(a.job.id, ev.index, ev.sample, text, ids, lps)
                 elif text or ids:
-                    a.pending[key] = (text, ids)
+                    a.pending[key] = (text, ids, lps)
                 continue
             usage = None
             if ev.usage is not None:
                 usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
                          "completion_tokens": ev.usage.completion_tokens}
-            rec = store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error)
+            rec = store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
+                                      ev.logprobs)
             self.record(batch, a, ev.index, ev.sample, rec, text, ids)
         t = time.monotonic()
         if t >= self._next_flush:
             self._next_flush = t + self.delta_interval
             for a in self.active.values():
-                for (index, sample), (text, ids) in a.pending.items():
-                    batch.delta(a.job.id, index, sample, text, ids)
+                for (index, sample), (text, ids, lps) in a.pending.items():
+                    batch.delta(a.job.id, index, sample, text, ids, lps)
                 a.pending.clear()
                 self._batching(batch, a)
         ids = list(self.active)

@@ -144,15 +144,8 @@ class Engine:
     @staticmethod
     def _gather(events, n_items: int) -> list[ItemResult]:
         items = [ItemResult(i, []) for i in range(n_items)]
-        logprobs: dict[tuple[int, int], list[float]] = {}
-        finals = []
-        for ev in events:
-            if ev.logprobs_delta is not None:
-                logprobs.setdefault((ev.index, ev.sample), []).extend(ev.logprobs_delta)
-            if ev.finished:
-                finals.append(ev)
-        for ev in sorted(finals, key=lambda e: (e.index, e.sample)):
+        for ev in sorted((e for e in events if e.finished), key=lambda e: (e.index, e.sample)):
             items[ev.index].samples.append(SampleResult(
-                ev.text, ev.token_ids, ev.finish_reason, ev.usage, ev.error,
-                logprobs.get((ev.index, ev.sample)), ev.matched_stop))
+                ev.text, ev.token_ids, ev.finish_reason, ev.usage, ev.error, ev.logprobs,
+                ev.matched_stop))
         return items

@@ -1,4 +1,16 @@
-"""What the engine hands back: streaming events and the per-item results built from them."""
+"""What the engine hands back: streaming events and the per-item results built from them.
+
+Logprobs (when a request asks, `logprobs=True`) are one record per generated token, the
+same dict from the engine to the results store, the stream and the HTTP results:
+
+    {"token_id": 42, "token": " the", "logprob": -0.31,
+     "top_logprobs": [{"token_id": 42, "token": " the", "logprob": -0.31}, ...]}
+
+`token` is `tokenizer.decode([token_id])`; `top_logprobs` holds the `top_logprobs` most
+likely tokens, best first (empty when 0). Logprobs are the log_softmax of the model's raw
+logits: before penalties, temperature and top-k / top-p / min-p, so a sampled token may be
+outside its position's top tokens.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,18 +27,20 @@ class Usage:
 @dataclass(slots=True)
 class Event:
     """One step's news for one (index, sample) of a caller's batch. Deltas concatenate to
-    the final text; the final event (finished=True) carries the full result too."""
+    the final text; the final event (finished=True) carries the full result too. Logprobs
+    are None unless the request asked."""
     tag: Any
     index: int
     sample: int
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
-    logprobs_delta: list[float] | None = None
+    logprobs_delta: list[dict] | None = None  # records of token_ids_delta
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    logprobs: list[dict] | None = None  # records of token_ids
     usage: Usage | None = None
     matched_stop: Any = None  # the stop string or token id that ended it
 
@@ -38,7 +52,7 @@ class SampleResult:
     finish_reason: str
     usage: Usage
     error: str | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[dict] | None = None  # one record per token of token_ids, when asked
     matched_stop: Any = None
 
 

@@ -40,7 +40,7 @@ class _Stream:
     req: Req
     detok: Detokenizer
     sink: Callable[[Event], None] | None
-    sent_logprobs: int = 0
+    logprobs: list[dict] | None = None  # records of the tokens so far, when asked
 
 
 @dataclass(slots=True)
@@ -62,6 +62,7 @@ class Front:
         self.streams: dict[str, _Stream] = {}
         self.warmups: dict[str, _Warmup] = {}
         self.outbox: list[Event] = []  # events made outside a step (errors, aborts)
+        self.pieces: dict[int, str] = {}  # token id -> its text alone, for logprobs records
         self._ids = itertools.count()
         self.warmup_count = 0
 
@@ -96,7 +97,8 @@ class Front:
                         tag=tag, index=index, sample=j) for j in range(p.n)]
             for r in reqs:
                 self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,
-                                                              p.skip_special_tokens, ids), sink)
+                                                              p.skip_special_tokens, ids), sink,
+                                              [] if p.logprobs else None)
             if error:
                 for r in reqs:
                     r.finish_reason, r.error = "error", error
@@ -175,18 +177,29 @@ class Front:
                 s = self.streams.pop(req.rid)
                 self._emit(self._final(s, s.detok.flush()), s.sink)
 
-    def _logprobs(self, s: _Stream) -> list[float] | None:
-        if not s.req.params.logprobs:
+    def _logprobs(self, s: _Stream) -> list[dict] | None:
+        """Records (see events.py) of the tokens sampled since the last call."""
+        if s.logprobs is None:
             return None
-        out = s.req.output_logprobs[s.sent_logprobs:]
-        s.sent_logprobs = len(s.req.output_logprobs)
-        return out
+        r, start = s.req, len(s.logprobs)
+        new = [{"token_id": t, "token": self._piece(t), "logprob": lp.logprob,
+                "top_logprobs": [{"token_id": i, "token": self._piece(i), "logprob": v} for i, v in lp.top]}
+               for t, lp in zip(r.output_ids[start:], r.output_logprobs[start:])]
+        s.logprobs += new
+        return new
+
+    def _piece(self, token_id: int) -> str:
+        """The token's text decoded alone (as OpenAI shows it), once per id."""
+        piece = self.pieces.get(token_id)
+        if piece is None:
+            piece = self.pieces[token_id] = self.tokenizer.decode([token_id])
+        return piece
 
     def _final(self, s: _Stream, delta: str, toks=()) -> Event:
         r = s.req
         usage = Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))
         return Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
-                     r.finish_reason, r.error, s.detok.text, list(r.output_ids), usage,
+                     r.finish_reason, r.error, s.detok.text, list(r.output_ids), s.logprobs, usage,
                      r.matched_stop)
 
     def _emit(self, ev: Event, sink) -> None:

@@ -28,7 +28,7 @@ class Req:
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # sampler.TokenLogprob per output token when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     # Extra info on the finish: the matched stop string or stop token.

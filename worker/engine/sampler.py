@@ -1,4 +1,5 @@
-"""Next-token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
+"""Next-token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws; and
+for the requests that ask, logprobs (and top tokens) of the raw logits.
 
 A random row's draw depends only on (req.seed, step, vocab index): the noise comes from a
 counter-based hash, not from a torch generator, so a sample is the same whatever batch it
@@ -58,10 +59,23 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without the copy when rows are all of t (the usual case: a whole batch asks)."""
+    return t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Of one sampled token, from the log_softmax of the raw logits: the model's own
+    distribution, before penalties, temperature and filters."""
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # the params.top_logprobs most likely (token id, logprob), best first
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # log_softmax of the raw logits at each chosen token
+    logprobs: list[TokenLogprob | None] | None  # per row, None where not asked; None if no row asks
 
 
 class Sampler:
@@ -77,19 +91,33 @@ class Sampler:
             raise ValueError(f"logits: {logits.shape[1]} columns < vocab_size {self.vocab_size}")
         # Columns past vocab_size are padding of the lm_head and are never sampled.
         raw = logits[:, : self.vocab_size].float()
-        logprobs = None
-        if any(r.params.logprobs for r in reqs):
-            logprobs = torch.log_softmax(raw, dim=-1)
-
         if all(r.params.greedy and not self._needs_penalty(r) for r in reqs):
             tokens = raw.argmax(dim=-1)  # fast path: nothing to change, nothing to draw
         else:
             tokens = self._sample(self.apply_penalties(raw, reqs), reqs)
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs]
+        return SampleOutput(tokens.tolist(), self._logprobs(raw, tokens, reqs, rows) if rows else None)
 
-        out_lp = None
-        if logprobs is not None:
-            out_lp = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        return SampleOutput(tokens.tolist(), out_lp)
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req],
+                  rows: list[int]) -> list[TokenLogprob | None]:
+        """log_softmax over the rows that ask only, and one topk over those that want top
+        tokens; the other rows pay nothing."""
+        lsm = torch.log_softmax(_take(raw, rows), dim=-1)
+        chosen = lsm.gather(1, _take(tokens, rows)[:, None])[:, 0].tolist()
+        ks = [reqs[i].params.top_logprobs for i in rows]
+        want = [j for j, k in enumerate(ks) if k]
+        tops = iter(())
+        if want:
+            values, ids = _take(lsm, want).topk(max(ks), dim=-1)
+            tops = zip(ids.tolist(), values.tolist())
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        for i, k, lp in zip(rows, ks, chosen):
+            top = []
+            if k:
+                top_ids, top_values = next(tops)
+                top = list(zip(top_ids[:k], top_values[:k]))
+            out[i] = TokenLogprob(lp, top)
+        return out
 
     @staticmethod
     def _needs_penalty(r: Req) -> bool:

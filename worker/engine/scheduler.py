@@ -192,7 +192,7 @@ class Scheduler:
             out = self.sampler(logits[sample_rows].float(), sample_reqs)
             for j, (r, tok) in enumerate(zip(sample_reqs, out.token_ids)):
                 r.output_ids.append(tok)
-                if out.logprobs is not None:
+                if r.params.logprobs:
                     r.output_logprobs.append(out.logprobs[j])
                 result.updated.append((r, [tok]))
                 reason = self._finish_reason(r, tok)
