@@ -45,13 +45,22 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+class Claimed(Exception):
+    """The idempotency key was claimed before: `stored` is its claim (id, hash, seed, items)."""
+
+    def __init__(self, stored: dict):
+        super().__init__(stored["id"])
+        self.stored = stored
+
+
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
-           spec: JobSpec | None = None) -> dict[str, Any]:
+           spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
-    transaction. `spec` is req.spec() unless given. Returns the JobCreated body."""
+    transaction. `spec` is req.spec() unless given. `idempotency` = (key, body hash): the
+    key is claimed in that same transaction, so a claim never exists without its job;
+    raises Claimed if the key was taken. Returns the JobCreated body."""
     job_id = job_id or new_id()
     spec = spec or req.spec()
-    seed = spec.seed
     if req.run_at and req.run_at.microsecond:
         # rq schedules in whole seconds (rounding down): round up so a job never starts early.
         req = req.model_copy(update={"run_at": req.run_at.replace(microsecond=0) + timedelta(seconds=1)})
@@ -66,23 +75,39 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
         description=f"fanout job: {req.size} items, {sum(ns)} samples",
         status=JobStatus.SCHEDULED if req.run_at else JobStatus.QUEUED,
     )
+    info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": spec.seed,
+            "priority": req.priority, "metadata": json.dumps(req.metadata)}
+    if req.run_at:
+        info["run_at"] = req.run_at.isoformat()
+    claim = keys.idempotency(idempotency[0]) if idempotency else None
     with redis.pipeline() as pipe:
-        pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
-        info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": seed,
-                "priority": req.priority, "metadata": json.dumps(req.metadata)}
-        if req.run_at:
-            info["run_at"] = req.run_at.isoformat()
-        pipe.hset(keys.info(job_id), mapping=info)
-        pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
-        # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
-        for k in (keys.info(job_id), keys.stream(job_id)):
-            pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
-        if req.run_at:
-            q.schedule_job(job, req.run_at, pipeline=pipe)
-        else:
-            q.enqueue_job(job, pipeline=pipe)
-        pipe.execute()
-    return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": seed, "items": req.size}
+        while True:
+            if claim:
+                pipe.watch(claim)  # a request claiming the key meanwhile aborts this transaction
+                stored = pipe.get(claim)
+                if stored is not None:
+                    pipe.reset()
+                    raise Claimed(json.loads(stored))
+            pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
+            if claim:
+                pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": spec.seed,
+                                            "items": req.size}), ex=settings.result_ttl)
+            pipe.hset(keys.info(job_id), mapping=info)
+            pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
+            # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
+            for k in (keys.info(job_id), keys.stream(job_id)):
+                pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
+            if req.run_at:
+                q.schedule_job(job, req.run_at, pipeline=pipe)
+            else:
+                q.enqueue_job(job, pipeline=pipe)
+            try:
+                pipe.execute()
+                break
+            except WatchError:  # claimed by another request first: the next round replays it
+                continue
+    return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": spec.seed,
+            "items": req.size}
 
 
 def _text(v) -> str | None:

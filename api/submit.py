@@ -65,10 +65,10 @@ def _check_limits(req: JobRequest, spec: JobSpec, settings) -> None:
 def _replay(redis, stored: dict, body_hash: str) -> dict:
     if stored["hash"] != body_hash:
         raise HTTPException(409, "Idempotency-Key was used before with a different body")
-    try:
+    try:  # the claim and its job were written together; the job outlives the claim
         status, _ = jobs.status_of(redis, stored["id"])
     except jobs.JobNotFound:
-        status = "queued"  # the first request is still enqueueing it
+        raise _not_found(stored["id"]) from None
     return {"id": stored["id"], "status": status, "stream": keys.stream(stored["id"]),
             "seed": stored["seed"], "items": stored["items"]}
 
@@ -83,20 +83,14 @@ def submit(req: JobRequest, request: Request, response: Response,
     st = _state(request)
     spec = req.spec()
     _check_limits(req, spec, st.settings)
-    job_id = None
+    idempotency = None
     if idempotency_key is not None:
-        body_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
-        job_id = jobs.new_id()
-        claim = {"id": job_id, "hash": body_hash, "seed": spec.seed, "items": req.size}
-        k = keys.idempotency(idempotency_key)
-        if not st.redis.set(k, json.dumps(claim), nx=True, ex=st.settings.result_ttl):
-            stored = st.redis.get(k)
-            if stored is not None:
-                body = _replay(st.redis, json.loads(stored), body_hash)
-                response.headers["Location"] = f"/v1/jobs/{body['id']}"
-                response.headers["Idempotent-Replayed"] = "true"
-                return body
-    body = jobs.submit(st.redis, req, st.settings, job_id=job_id, spec=spec)
+        idempotency = (idempotency_key, hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+    try:
+        body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency)
+    except jobs.Claimed as e:
+        body = _replay(st.redis, e.stored, idempotency[1])
+        response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{body['id']}"
     return body
 

@@ -172,6 +172,48 @@ def test_idempotency_key_returns_the_same_job(http):
     http.post(f"/v1/jobs/{first.json()['id']}/cancel")
 
 
+def test_idempotency_key_claimed_with_the_enqueue_under_concurrency(api_url, api_pair, redis):
+    """Twelve concurrent POSTs with one key, over two API processes: one job, one claim, and
+    every answer names that job, which exists (claim and enqueue are one transaction)."""
+    from concurrent.futures import ThreadPoolExecutor
+    body = {"prompts": ["race"], "run_at": later()}
+    key = "race-" + later()
+
+    def post(i):
+        with httpx.Client(base_url=api_pair[i % 2], timeout=10) as c:
+            return c.post("/v1/jobs", json=body, headers={"Idempotency-Key": key})
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(post, range(12)))
+    assert {r.status_code for r in answers} == {202}
+    ids = {r.json()["id"] for r in answers}
+    assert len(ids) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in answers) == 11
+    job_id = ids.pop()
+    with httpx.Client(base_url=api_url, timeout=10) as c:
+        assert c.get(f"/v1/jobs/{job_id}").json()["status"] == "scheduled"
+        c.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_a_failed_enqueue_leaves_no_idempotency_claim(redis, redis_url, tmp_path):
+    """The enqueue fails inside the transaction (this API's Redis user may not XADD): the key
+    must not be claimed, or a retry would replay a job that never existed."""
+    from urllib.parse import urlsplit
+
+    from conftest import start_api
+    redis.execute_command("ACL", "SETUSER", "noxadd", "on", ">pw", "~*", "&*", "+@all", "-xadd")
+    u = urlsplit(redis_url)
+    proc, url = start_api(f"redis://noxadd:pw@{u.hostname}:{u.port}{u.path}", tmp_path, "api-noxadd")
+    try:
+        key = "fails-" + later()
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.post("/v1/jobs", json={"prompts": ["a"]}, headers={"Idempotency-Key": key})
+        assert r.status_code == 500
+        assert redis.get(keys.idempotency(key)) is None
+    finally:
+        proc.stop()
+        redis.execute_command("ACL", "DELUSER", "noxadd")
+
+
 def test_openapi_documents_every_response(http):
     spec = http.get("/openapi.json").json()
     paths = spec["paths"]
