@@ -74,6 +74,7 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 
 
 @router.post("/jobs", status_code=202, response_model=JobCreated, responses={
+    400: {"model": ErrorOut, "description": "the body is not UTF-8 (FastAPI cannot decode it)"},
     409: {"model": ErrorOut, "description": "Idempotency-Key reused with a different body"},
 })
 def submit(req: JobRequest, request: Request, response: Response,

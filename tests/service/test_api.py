@@ -217,7 +217,9 @@ def test_a_failed_enqueue_leaves_no_idempotency_claim(redis, redis_url, tmp_path
 def test_openapi_documents_every_response(http):
     spec = http.get("/openapi.json").json()
     paths = spec["paths"]
-    assert set(paths["/v1/jobs"]["post"]["responses"]) >= {"202", "409", "422"}
+    assert set(paths["/v1/jobs"]["post"]["responses"]) >= {"202", "400", "409", "422"}
+    r = http.post("/v1/jobs", content=b'{"prompts": ["\xff"]}', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "detail" in r.json()
     for path in ("/v1/jobs/{job_id}", "/v1/jobs/{job_id}/results", "/v1/jobs/{job_id}/events"):
         assert set(paths[path]["get"]["responses"]) >= {"200", "404", "422"}, path
     assert set(paths["/v1/jobs/{job_id}/cancel"]["post"]["responses"]) >= {"202", "404", "409", "422"}
