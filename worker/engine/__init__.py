@@ -5,8 +5,9 @@ does not pull in torch.
 """
 from importlib import import_module
 
-_WHERE = {"Engine": ".engine", "Event": ".events", "ItemResult": ".events", "SampleResult": ".events",
-          "Usage": ".events", "SamplingParams": ".sampling_params"}
+_WHERE = {"Engine": ".engine", "EngineError": ".scheduler", "Event": ".events",
+          "ItemResult": ".events", "SampleResult": ".events", "Usage": ".events",
+          "SamplingParams": ".sampling_params"}
 
 __all__ = list(_WHERE)
 

@@ -64,6 +64,16 @@ class ScheduleBatch:
     extend_lens: list[int]
     out_cache_loc: list  # slot tensors, concatenated in request order (decodes in one)
 
+    def halves(self, req_to_token: torch.Tensor) -> tuple[ScheduleBatch, ScheduleBatch]:
+        """The batch in two, for running again as two steps (fault isolation). Each half keeps
+        the slots allocated to its requests: positions [kv_len, kv_len + n) of their rows."""
+        assert all(r.alloc_len == r.kv_len + n for r, n in zip(self.reqs, self.extend_lens))
+        locs = [req_to_token[r.req_pool_idx, r.kv_len:r.kv_len + n]
+                for r, n in zip(self.reqs, self.extend_lens)]
+        m = len(self.reqs) // 2
+        return (ScheduleBatch(self.reqs[:m], self.extend_lens[:m], locs[:m]),
+                ScheduleBatch(self.reqs[m:], self.extend_lens[m:], locs[m:]))
+
     def needs_logits(self, i: int) -> bool:
         r = self.reqs[i]
         return r.kv_len + self.extend_lens[i] == r.seq_len

@@ -40,6 +40,11 @@ class Detokenizer:
         return self._text
 
     @property
+    def unsent(self) -> str:
+        """Text made but not returned yet: held back, or made by a push that then failed."""
+        return self._text[self._sent:]
+
+    @property
     def stopped(self) -> bool:
         return self.matched is not None
 

@@ -19,7 +19,7 @@ from .radix_cache import RadixCache
 from .req import Req
 from .sampler import Sampler
 from .sampling_params import SamplingParams, per_item
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import EngineError, Scheduler, SchedulerConfig
 
 log = logging.getLogger("fanout.engine")
 
@@ -61,14 +61,23 @@ class Engine:
         return self.front.add(tag, items, sampling_params, seed, sink)
 
     def step(self) -> list[Event]:
-        """Run one scheduler step; return the events without a sink."""
+        """Run one scheduler step; return the events without a sink. A request that makes
+        the step fail ends alone, with finish_reason "error"; the only exception raised is
+        EngineError, when no request can be blamed (the worker then gives up its jobs)."""
         self._advance()
         out, self.front.outbox = self.front.outbox, []
         return out
 
     def _advance(self) -> None:
         """One step whose sink-less events stay in the outbox for the next step() caller."""
-        self.front.collect(self.scheduler.step())
+        try:  # free until something raises
+            self.front.collect(self.scheduler.step())
+        except EngineError:
+            raise
+        except Exception as e:
+            # Outside the parts that blame requests (the forward and sampler, each request's
+            # fan-in): batch building or KV bookkeeping, whose state is now in doubt.
+            raise EngineError(f"engine step failed: {type(e).__name__}: {e}") from e
 
     def abort(self, tag: Any) -> int:
         """Abort every request of tag; their KV is freed now. Returns how many."""

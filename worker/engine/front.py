@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,6 +20,9 @@ from .detokenizer import Detokenizer
 from .events import Event, Usage
 from .req import Req
 from .sampling_params import SamplingParams, per_item
+from .scheduler import step_error
+
+log = logging.getLogger("fanout.engine")
 
 
 def derive_seed(job_seed: int, index: int, sample: int) -> int:
@@ -151,31 +155,63 @@ class Front:
     # -- fan-in ------------------------------------------------------------------
 
     def collect(self, result) -> None:
-        """Turn one scheduler step into events (sent to sinks or the outbox)."""
+        """Turn one scheduler step into events (sent to sinks or the outbox). A fault in one
+        request's part (detokenizing, stop strings, logprobs records) ends that request alone."""
         finished = {id(r) for r in result.finished}
         for req, toks in result.updated:
             s = self.streams.get(req.rid)
             if s is None:
                 continue
-            delta, stop = s.detok.push(toks)
-            if stop is not None and not req.finished:
-                req.matched_stop = stop
-                self.scheduler.finish(req, "stop")
-                finished.add(id(req))
-            if id(req) in finished:
-                del self.streams[req.rid]
-                self._emit(self._final(s, delta + s.detok.flush(), toks), s.sink)
-            else:
-                self._emit(Event(req.tag, req.index, req.sample, delta, list(toks),
-                                 self._logprobs(s)), s.sink)
+            try:  # free until something raises
+                self._push(s, toks, id(req) in finished)
+            except Exception as e:
+                self._fail(s, e, toks)
         for req in result.finished:
             w = self.warmups.pop(req.rid, None)
             if w is not None:  # fan out the n samples on top of the warmed prefix
                 for r in w.samples:
-                    self.scheduler.add(r)
-            elif req.rid in self.streams and not req.output_ids:  # finished without a token
+                    if req.finish_reason == "error":  # the samples' prefill would fail too
+                        r.finish_reason, r.error = "error", req.error
+                        self._emit(self._final(self.streams.pop(r.rid), ""), w.sink)
+                    else:
+                        self.scheduler.add(r)
+            elif req.rid in self.streams:  # finished without a token this step
                 s = self.streams.pop(req.rid)
-                self._emit(self._final(s, s.detok.flush()), s.sink)
+                try:
+                    self._emit(self._final(s, s.detok.flush()), s.sink)
+                except Exception as e:
+                    self._fail(s, e)
+
+    def _push(self, s: _Stream, toks: list[int], finished: bool) -> None:
+        req = s.req
+        delta, stop = s.detok.push(toks)
+        if stop is not None and not req.finished:
+            req.matched_stop = stop
+            self.scheduler.finish(req, "stop")
+            finished = True
+        if finished:
+            self._emit(self._final(s, delta + s.detok.flush(), toks), s.sink)
+            del self.streams[req.rid]
+        else:
+            self._emit(Event(req.tag, req.index, req.sample, delta, list(toks),
+                             self._logprobs(s)), s.sink)
+
+    def _fail(self, s: _Stream, exc: Exception, toks=()) -> None:
+        """End s's request with an error, its KV released. Its final event is built from
+        what is already known, since making more failed: the text made so far (its delta the
+        part not sent yet) and the step's tokens toks; logprobs records only of earlier ones."""
+        r = s.req
+        log.error("request %s failed in fan-in; it ends with an error", r.rid, exc_info=exc)
+        error = step_error(exc)
+        if r.finished:  # in the scheduler already, KV released: only the reason changes
+            r.finish_reason, r.error = "error", error
+        else:
+            self.scheduler.finish(r, "error", error)
+        self.streams.pop(r.rid, None)
+        self._emit(Event(r.tag, r.index, r.sample, s.detok.unsent, list(toks), finished=True,
+                         finish_reason="error", error=error, text=s.detok.text,
+                         token_ids=list(r.output_ids), logprobs=s.logprobs,
+                         usage=Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))), s.sink)
 
     def _logprobs(self, s: _Stream) -> list[dict] | None:
         """Records (see events.py) of the tokens sampled since the last call."""

@@ -92,6 +92,13 @@ class KVManager:
             r.alloc_len += 1
         return slots
 
+    def rollback(self, req: Req) -> None:
+        """Undo a step's allocation that never ran: free the pages past the one holding
+        position kv_len - 1, so alloc_len == kv_len again."""
+        start = _cdiv(req.kv_len, self.ps) * self.ps
+        self.alloc.free(self._pages(req.req_pool_idx, start, req.alloc_len))
+        req.alloc_len = req.kv_len
+
     def _pages(self, row: int, start: int, end: int) -> list[int]:
         """Pages of the row's positions [start, end), start page-aligned."""
         if end <= start:

@@ -5,15 +5,34 @@ prefill tokens as the token budget allows, in one forward pass. A long prompt is
 across steps (chunked prefill). When KV runs out, the most recently admitted requests
 are retracted back to the waiting queue; their computed KV goes to the radix cache, so
 recomputation later is often a cache hit.
+
+A step that raises is isolated (see `_isolate`): the requests that caused it end with
+finish_reason "error"; the rest of the batch gets the tokens it would have got.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 from .batch import ScheduleBatch
 from .kv_manager import KVManager
 from .req import Req, ReqStatus
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("fanout.engine")
+
+
+class EngineError(RuntimeError):
+    """A step failed in a way no request can be blamed for (the device, the model, the
+    engine's own bookkeeping): every request in the engine is in doubt."""
+
+
+def step_error(exc: BaseException) -> str:
+    """The error a request gets when it makes a step fail on its own."""
+    return f"internal error in engine step: {type(exc).__name__}: {exc}"
 
 
 @dataclass(slots=True)
@@ -157,49 +176,117 @@ class Scheduler:
                                         f"({r.seq_len} tokens)")
                 return StepResult([], [r])
             return StepResult([], [])
+        result = StepResult([], [])
+        try:  # free until something raises
+            out = self._forward(batch)
+        except Exception as e:
+            out = e  # isolated below, outside this handler, so later faults are not chained to it
+        if isinstance(out, Exception):
+            self._isolate(batch, out, result)
+        else:
+            self._commit(batch, out, result)
+        self.prefill_tokens_total += result.prefill_tokens
+        self.decode_tokens_total += result.decode_tokens
+        return result
+
+    def _forward(self, batch: ScheduleBatch):
+        """Forward and sample, changing no request: what can raise runs here, so a failed
+        batch can run again. Returns (prompt logits per request or None, sampled requests,
+        SampleOutput or None)."""
         fb = batch.to_forward_batch(self.kvm.kv, self.kvm.table, self.runner.device,
                                     group_shared=self.runner.attn.uses_shared_prefixes)
         logits = self.runner.forward(fb)
-        result = StepResult([], [])
-        sample_reqs, sample_rows, row = [], [], 0
+        prompt, sample_reqs, sample_rows, row = [], [], [], 0
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             complete = batch.needs_logits(i)
-            if n == 1 and r.output_ids:
-                result.decode_tokens += 1
-            else:
-                result.prefill_tokens += n
+            prompt.append(None)
             if r.return_prompt_logits:
-                r.prompt_logits.append(logits[row:row + n].float().cpu())
+                prompt[-1] = logits[row:row + n].float().cpu()
                 row += n
                 last = row - 1
             elif complete:
                 last = row
                 row += 1
+            # max_new_tokens == 0: prefill only (warm-up, scoring), nothing to sample.
+            if complete and len(r.output_ids) < r.params.max_new_tokens:
+                sample_reqs.append(r)
+                sample_rows.append(last)
+        out = self.sampler(logits[sample_rows].float(), sample_reqs) if sample_reqs else None
+        return prompt, sample_reqs, out
+
+    def _commit(self, batch: ScheduleBatch, forward_out, result: StepResult) -> None:
+        """Apply a forward's outcome to its requests: KV length, tokens, finishes."""
+        prompt, sample_reqs, out = forward_out
+        for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if n == 1 and r.output_ids:
+                result.decode_tokens += 1
+            else:
+                result.prefill_tokens += n
+            if prompt[i] is not None:
+                r.prompt_logits.append(prompt[i])
+            complete = batch.needs_logits(i)
             r.kv_len += n
             if n > 1:
                 self.kvm.cache_unfinished(r)
-            if not complete:
-                continue
-            if len(r.output_ids) >= r.params.max_new_tokens:
-                self.finish(r, "length")  # max_new_tokens == 0: prefill only (warm-up, scoring)
+            if complete and len(r.output_ids) >= r.params.max_new_tokens:
+                self.finish(r, "length")
                 result.finished.append(r)
+        for j, r in enumerate(sample_reqs):
+            tok = out.token_ids[j]
+            r.output_ids.append(tok)
+            if r.params.logprobs:
+                r.output_logprobs.append(out.logprobs[j])
+            result.updated.append((r, [tok]))
+            reason = self._finish_reason(r, tok)
+            if reason:
+                self.finish(r, reason)
+                result.finished.append(r)
+
+    def _isolate(self, batch: ScheduleBatch, exc: Exception, result: StepResult) -> None:
+        """The step's forward raised. Run its requests again in halves, each half a step of
+        its own on the slots already allocated to it, down to single requests. A half that
+        runs gets exactly the tokens the whole step would have given it (sampling is seeded
+        per (seed, position)); a request that fails alone caused the fault and ends with an
+        error. If every request fails alone and a probe step fails too, the fault is the
+        engine's: the step is undone (its slots freed) and EngineError raised."""
+        log.warning("engine step of %d requests failed (%s: %s); isolating the cause",
+                    len(batch.reqs), type(exc).__name__, exc)
+        failed: list[tuple[Req, Exception]] = []
+        todo = [(batch, exc)]
+        while todo:
+            part, e = todo.pop()
+            if len(part.reqs) == 1:
+                failed.append((part.reqs[0], e))
                 continue
-            sample_reqs.append(r)
-            sample_rows.append(last)
-        self.prefill_tokens_total += result.prefill_tokens
-        self.decode_tokens_total += result.decode_tokens
-        if sample_reqs:
-            out = self.sampler(logits[sample_rows].float(), sample_reqs)
-            for j, (r, tok) in enumerate(zip(sample_reqs, out.token_ids)):
-                r.output_ids.append(tok)
-                if r.params.logprobs:
-                    r.output_logprobs.append(out.logprobs[j])
-                result.updated.append((r, [tok]))
-                reason = self._finish_reason(r, tok)
-                if reason:
-                    self.finish(r, reason)
-                    result.finished.append(r)
-        return result
+            for half in part.halves(self.kvm.table):
+                try:
+                    out = self._forward(half)
+                except Exception as e2:
+                    todo.append((half, e2))
+                else:
+                    self._commit(half, out, result)
+        if len(failed) == len(batch.reqs) and not self._healthy():
+            for r, _ in failed:
+                self.kvm.rollback(r)
+            raise EngineError(f"engine step failed for each request alone, and for a probe "
+                              f"too: {type(exc).__name__}: {exc}") from exc
+        for r, e in failed:
+            log.error("request %s failed alone in an engine step; it ends with an error",
+                      r.rid, exc_info=e)
+            self.finish(r, "error", step_error(e))
+            result.finished.append(r)
+
+    def _healthy(self) -> bool:
+        """Can the engine run a step at all? One token of a plain request through the same
+        forward and sampler, on the scratch row and page (which no request owns)."""
+        probe = Req(rid="probe", input_ids=[0], params=SamplingParams(max_new_tokens=1), seed=0,
+                    req_pool_idx=self.runner.scratch_row)
+        try:
+            self._forward(ScheduleBatch([probe], [1], [torch.zeros(1, dtype=torch.int64)]))
+        except Exception:
+            log.exception("probe step failed too")
+            return False
+        return True
 
     def _finish_reason(self, r: Req, tok: int) -> str | None:
         p = r.params
