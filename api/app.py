@@ -14,12 +14,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
 from .schemas import UNION_TAGS, ErrorOut, Health
 from .submit import router
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (a restart) too
+UNAVAILABLE = {503: {"model": ErrorOut, "description": "Redis is unavailable (try again)"}}
+
+
+def _retry(cls=Retry):
+    # A pooled connection that Redis closed (a restart) fails once and is replaced at once;
+    # while Redis is away a request gets its 503 within a fraction of a second.
+    return cls(ExponentialBackoff(cap=0.2, base=0.02), 2)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -28,11 +40,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.settings = settings
-        app.state.redis = redis.Redis.from_url(settings.redis_url)
+        app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
         # The SSE relay's XREAD blocks up to sse_keepalive seconds: a socket timeout under
         # that (redis-py 8 defaults to 5 s) would fail every idle stream.
-        app.state.aredis = aioredis.Redis.from_url(settings.redis_url,
-                                                   socket_timeout=settings.sse_keepalive + 10)
+        app.state.aredis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                                   socket_timeout=settings.sse_keepalive + 10,
+                                                   retry=_retry(AsyncRetry))
         yield
         await app.state.aredis.aclose()
         app.state.redis.close()
@@ -41,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # is served with the Swagger UI files of the swagger-ui-bundle-v2 package; no ReDoc.
     app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Batch text generation: submit a job, follow its stream, fetch results.")
-    app.include_router(router)
+    app.include_router(router, responses=UNAVAILABLE)
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
     @app.get("/docs", include_in_schema=False)
@@ -65,13 +78,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             detail.append(e)
         return JSONResponse({"detail": detail}, status_code=422)
 
-    @app.get("/healthz", response_model=Health, responses={503: {"model": ErrorOut}})
+    async def redis_down(request: Request, exc: Exception):
+        return JSONResponse({"detail": f"redis unavailable: {exc}"}, status_code=503)
+
+    for error in REDIS_DOWN:
+        app.add_exception_handler(error, redis_down)
+
+    @app.get("/healthz", response_model=Health, responses=UNAVAILABLE)
     def healthz(request: Request):
         """Liveness: the API is up and reaches Redis."""
         try:
             request.app.state.redis.ping()
         except redis.RedisError as e:
-            return JSONResponse({"detail": f"redis unreachable: {e}"}, status_code=503)
+            return JSONResponse({"detail": f"redis unavailable: {e}"}, status_code=503)
         return {"status": "ok", "redis": "ok"}
 
     return app

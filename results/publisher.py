@@ -2,9 +2,10 @@
 
 A `Batch` collects one engine step's writes for every job and sends them in one
 MULTI/EXEC: each finished sample is HSET (and counted) before the XADD that announces
-it, so nothing is announced that is not stored. `close` writes a job's terminal status
-entry exactly once, whoever (worker or API) gets there first, and sets the expiry of
-all the job's keys.
+it, so nothing is announced that is not stored. It records its commands, so it can be
+sent again after a lost connection (the worker decides whether it must be). `close`
+writes a job's terminal status entry exactly once, whoever (worker, API or a reaper)
+gets there first, and sets the expiry of all the job's keys.
 """
 from __future__ import annotations
 
@@ -21,22 +22,36 @@ return id
 """
 
 
+class Commands(list):
+    """Redis commands recorded for one transaction: `commands.hset(...)` appends HSET."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.append((name, args, kwargs))
+
+
 class Batch:
     def __init__(self, redis):
-        self.pipe = redis.pipeline(transaction=True)
+        self.redis = redis
+        self.pipe = Commands()
+        self.jobs: set[str] = set()  # the jobs it writes for
         self.counts: defaultdict[str, Counter] = defaultdict(Counter)  # job -> progress increments
         self.reads: list[tuple[str, tuple]] = []  # answered in the same round trip, after the writes
 
     def attempt(self, job_id: str, number: int, worker: str) -> None:
+        self.jobs.add(job_id)
         self.pipe.hset(keys.info(job_id), "attempt", number)
         self.pipe.xadd(keys.stream(job_id), events.attempt(number, worker))
 
     def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int],
               logprobs: list[dict] | None = None) -> None:
+        self.jobs.add(job_id)
         self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids, logprobs))
 
     def final(self, job_id: str, index: int, sample: int, text_delta: str, ids_delta: list[int],
               record: dict, item_done: bool, item_failed: bool) -> None:
+        self.jobs.add(job_id)
         store.put(self.pipe, job_id, index, sample, record)
         progress.count_sample(self.counts[job_id], record, item_done, item_failed)
         if record["finish_reason"] == "error":
@@ -46,9 +61,20 @@ class Batch:
         self.pipe.xadd(keys.stream(job_id), entry)
 
     def status(self, job_id: str, value: str, **extra) -> None:
+        self.jobs.add(job_id)
         self.pipe.xadd(keys.stream(job_id), events.status(value, **extra))
 
+    def info(self, job_id: str, **fields) -> None:
+        self.jobs.add(job_id)
+        self.pipe.hset(keys.info(job_id), mapping=fields)
+
+    def close(self, job_id: str, status: str, ttl: int, **extra) -> None:
+        """`close` in this transaction."""
+        self.jobs.add(job_id)
+        self.pipe.eval(_CLOSE, *_close_args(job_id, status, ttl, extra))
+
     def expire(self, job_id: str, ttl: int) -> None:
+        self.jobs.add(job_id)
         for k in keys.all_for(job_id):
             self.pipe.expire(k, ttl)
 
@@ -56,29 +82,38 @@ class Batch:
         """Queue a read (e.g. "mget", keys) to run after the writes; send() returns its answer."""
         self.reads.append((command, args))
 
-    def send(self) -> list:
+    def send(self, pipe=None) -> list:
         """One MULTI/EXEC: readers see a step's samples, counters and entries together.
-        Returns the answers of the queued reads."""
-        for job_id, counts in self.counts.items():
-            for name, n in counts.items():
-                if n:
-                    self.pipe.hincrby(keys.info(job_id), name, n)
-        for command, args in self.reads:
-            getattr(self.pipe, command)(*args)
-        if not len(self.pipe):
-            return []
-        results = self.pipe.execute()
+        Returns the answers of the queued reads. `pipe`: a transaction already opened
+        (WATCH, then MULTI) to send these commands with its own."""
+        pipe = pipe if pipe is not None else self.redis.pipeline(transaction=True)
+        with pipe:
+            for command, args, kwargs in self.pipe:
+                getattr(pipe, command)(*args, **kwargs)
+            for job_id, counts in self.counts.items():
+                for name, n in counts.items():
+                    if n:
+                        pipe.hincrby(keys.info(job_id), name, n)
+            for command, args in self.reads:
+                getattr(pipe, command)(*args)
+            if not len(pipe):
+                return []
+            results = pipe.execute()
         return results[len(results) - len(self.reads):]
+
+
+def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
+    fields = events.status(status, **extra)
+    argv = [ttl, status] + [x for kv in fields.items() for x in kv]
+    ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
+          keys.cancel(job_id)]
+    return [len(ks), *ks, *argv]
 
 
 def close(redis, job_id: str, status: str, ttl: int, **extra) -> str | None:
     """Write the terminal status entry once; returns its stream id, or None if the job was
     already closed."""
-    fields = events.status(status, **extra)
-    argv = [ttl, status] + [x for kv in fields.items() for x in kv]
-    ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
-          keys.cancel(job_id)]
-    entry_id = redis.eval(_CLOSE, len(ks), *ks, *argv)
+    entry_id = redis.eval(_CLOSE, *_close_args(job_id, status, ttl, extra))
     if entry_id is None:
         return None
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -3,14 +3,27 @@
 rq's fork-per-job execution does not fit a GPU that must batch requests from several
 jobs, so `Consumer` registers as an rq worker but runs its own loop:
 
-    tick   heartbeats (worker, and each running job's execution so it is never reaped as
-           abandoned), run_at scheduling, registry maintenance, timeouts
+    tick   heartbeats (worker, and each running job's execution, which also tells whether a
+           job was reaped meanwhile), reaping (jobs whose worker died), run_at scheduling,
+           rq's registry maintenance, timeouts
     admit  while the engine has room: dequeue (high, normal, low priority), mark the job
            started in rq, add its unfinished items to the engine under the job id
     step   one engine step; its events for all jobs go to Redis in one transaction
            (finished samples stored before they are announced) that also reads the running
            jobs' cancel flags and the queue lengths: one round trip per step. A job whose
            samples are all done moves to rq's finished registry and its stream is closed
+
+A job's execution expires `heartbeat_ttl` seconds after its worker's last heartbeat (sent
+every third of that); every worker looks for expired ones every REAP_INTERVAL seconds and
+retries their job (it resumes on a live worker), fails it (no retries left: the stream gets
+its terminal entry) or cancels it (a cancel was requested).
+
+Redis outages: the loop pauses (the engine keeps its state: nothing leaves this process
+but through Redis) and retries with backoff; each write that must not apply twice checks,
+after a lost connection, whether it applied (a marker key for the step transaction, this
+worker's execution in the started registry for a job's start and end). Once Redis is
+back, the first heartbeat drops the jobs that were reaped meanwhile (an outage longer than
+the TTL): they run elsewhere.
 
 SIGTERM (or SIGINT): stop taking jobs, let running ones finish for `drain_timeout`
 seconds, then hand the rest back (requeued at the front, status `queued`); a second
@@ -20,30 +33,41 @@ are not recomputed, and the rest are regenerated with the same seed.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from rq import Queue
-from rq.exceptions import DequeueTimeout
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
+from redis.retry import Retry
+from rq import Queue, worker_registration
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
 from rq.registry import CanceledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
-from rq.utils import now, utcformat
+from rq.utils import as_text, current_timestamp, now, parse_composite_key, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
 from results import events, keys, progress, publisher, store
 from results.publisher import Batch
 
-from .engine import Engine
+from .engine import Engine, EngineError
 from .settings import Settings
 from .spec import QUEUE_ORDER, JobSpec
 
 log = logging.getLogger("fanout.worker")
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+REAP_INTERVAL = 2.0  # seconds between looks for expired executions: one ZRANGEBYSCORE per queue
+MAX_BACKOFF = 5.0  # seconds between tries while Redis is away
 
 
 def fanout_job(spec: dict) -> None:  # noqa: ARG001
@@ -80,14 +104,17 @@ class Active:
 
 class Consumer(BaseWorker):
     def __init__(self, engine: Engine, connection, settings: Settings, queues=None,
-                 name: str | None = None, drain_timeout: float = 30.0, heartbeat_s: float = 10.0,
-                 delta_interval: float = 0.1):
+                 name: str | None = None, drain_timeout: float = 30.0, delta_interval: float = 0.1):
+        # Connection errors come to this loop, which knows whether a write may be sent again;
+        # redis-py's own retries would send a transaction again whose reply was lost.
+        connection.set_retry(Retry(NoBackoff(), 0))
         super().__init__(queues or QUEUE_ORDER, name=name, connection=connection,
                          serializer=JSONSerializer, default_result_ttl=settings.result_ttl)
         self.engine = engine
         self.settings = settings
         self.drain_timeout = drain_timeout
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_ttl = settings.heartbeat_ttl
+        self.heartbeat_s = settings.heartbeat_ttl / 3
         # After its first tokens, a sample's deltas are sent together at most every
         # delta_interval seconds: one stream entry per sample per flush, not per token.
         self.delta_interval = delta_interval
@@ -96,10 +123,28 @@ class Consumer(BaseWorker):
         self.delayed = RQScheduler(self.queues, connection, serializer=JSONSerializer)
         self._drain_until: float | None = None
         self._next_beat = 0.0
+        self._next_reap = 0.0
         self._next_schedule = 0.0
+        # Every step transaction also sets this key (this process's own) to a new value:
+        # after a lost connection, reading it tells whether the transaction applied.
+        self._marker = f"fanout:worker:{self.name}:{os.urandom(4).hex()}:sent"
+        self._sends = 0
+        self._sent: str | None = None  # the marker of the last transaction Redis acknowledged
+        self._sending: str | None = None  # the marker of the transaction in flight
 
     def execute_job(self, job: Job, queue: Queue):
         raise NotImplementedError("Consumer batches jobs in its run loop, not one at a time")
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        # rq's (90 s and more) made a dead worker's job wait minutes; our heartbeats are frequent.
+        return self.heartbeat_ttl
+
+    def _pubsub_exception_handler(self, exc, pubsub, pubsub_thread) -> None:
+        # rq logs an error every 2 s while Redis is away; the loop already says so, less often.
+        if isinstance(exc, REDIS_DOWN):
+            time.sleep(2.0)
+            return
+        super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -110,34 +155,46 @@ class Consumer(BaseWorker):
         self._install_signal_handlers()
         try:
             while True:
-                self.tick()
-                if self._stop_requested and not self.active:
+                ready = self.guard(self.ready, burst)
+                if ready is False:
                     break
-                if not self.engine.has_work():  # idle: wait (1 s at most) for a job
-                    if not self._stop_requested:
-                        self.admit(block=not burst)
-                    if not self.engine.has_work():
-                        if burst and not self.active:
-                            break
-                        continue
+                if not ready:
+                    continue
                 try:
                     events = self.engine.step()
-                except Exception:
-                    # The engine's state is unknown now: give the jobs back to rq (retried
-                    # if they have retries left) and exit; a supervisor restarts the worker.
+                except EngineError:
+                    # No request to blame (a request that makes a step fail ends alone, as a
+                    # failed item): the engine's state is in doubt. Fail the jobs (retried if
+                    # they have retries left) and exit; a supervisor restarts the worker.
                     exc = traceback.format_exc()
                     log.error("engine step failed; exiting:\n%s", exc)  # the CLI says only its last line
                     for a in list(self.active.values()):
                         self.fail(a, exc, abort=False)
                     raise
                 if self.publish(events) and not self._stop_requested:
-                    self.admit(block=False)  # jobs are waiting: join them to the batch
+                    self.guard(self.admit, False)  # jobs are waiting: join them to the batch
         finally:
             for a in list(self.active.values()):
                 self.hand_back(a)
-            if self.delayed.acquired_locks:
-                self.delayed.release_locks()
-            self.teardown()
+            try:
+                if self.delayed.acquired_locks:
+                    self.delayed.release_locks()
+                self.teardown()
+            except REDIS_DOWN as e:
+                log.warning("redis unavailable at exit (%s): this worker's registration expires by itself", e)
+
+    def ready(self, burst: bool) -> bool | None:
+        """Housekeeping, and jobs if the engine is idle. True: step the engine; False: stop;
+        None: come again."""
+        self.tick()
+        if self._stop_requested and not self.active:
+            return False
+        if not self.engine.has_work():  # idle: wait (1 s at most) for a job
+            if not self._stop_requested:
+                self.admit(block=not burst)
+            if not self.engine.has_work():
+                return False if burst and not self.active else None
+        return True
 
     def _install_signal_handlers(self):
         signal.signal(signal.SIGINT, self._on_signal)
@@ -158,11 +215,10 @@ class Consumer(BaseWorker):
     def tick(self) -> None:
         t = time.monotonic()
         if t >= self._next_beat:
-            self._next_beat = t + self.heartbeat_s
-            for a in self.active.values():
-                self.maintain_heartbeats(a.job, a.execution)
-            if not self.active:
-                self.heartbeat()
+            self.beat()
+        if t >= self._next_reap:
+            self._next_reap = t + REAP_INTERVAL
+            self.reap()
         if t >= self._next_schedule:  # move due run_at jobs (and retries) to their queues
             self._next_schedule = t + 1.0
             if self.delayed.should_reacquire_locks:
@@ -186,16 +242,250 @@ class Consumer(BaseWorker):
                                         job_class=self.job_class, serializer=self.serializer)
             except DequeueTimeout:
                 return
+            except REDIS_DOWN as e:
+                if not (hasattr(e, "job_id") and len(self.queues) > 1):
+                    raise
+                # Popped, then the connection broke before the job was read: put it back.
+                self.retrying(self._unpop, e.queue, e.job_id)
+                return
             if got is None:
                 return
             block = False
             self.start(*got)
 
+    def _unpop(self, queue: Queue, job_id: str) -> None:
+        if self.connection.lpos(queue.key, job_id) is None:
+            self.connection.lpush(queue.key, job_id)
+
+    # -- Redis outages -------------------------------------------------------------
+
+    def wait_for_redis(self, error: Exception) -> None:
+        """Pause until Redis answers again: one log line per try, the tries further apart
+        each time. The engine keeps its state; once Redis is back, the next heartbeat first
+        checks that our jobs were not reaped meanwhile. If Redis came back without writes it
+        had acknowledged (a host crash before its append-only file was synced, or no
+        persistence), the running jobs are dropped here: they resume from what Redis kept
+        once their executions expire."""
+        delay, since = 0.25, time.monotonic()
+        while True:
+            if self._stop_requested and self._drain_until is not None and time.monotonic() >= self._drain_until:
+                # No hand-back without Redis: the jobs are retried elsewhere once their
+                # executions expire.
+                for a in list(self.active.values()):
+                    self.engine.abort(a.job.id)
+                self.active.clear()
+                raise SystemExit(f"fanout worker: redis unavailable at shutdown ({error}); running jobs "
+                                 "are retried elsewhere once their heartbeat expires")
+            log.warning("redis unavailable (%s): paused; next try in %.2fs", error, delay)
+            time.sleep(delay)
+            try:
+                seen = self.connection.get(self._marker)
+                break
+            except REDIS_DOWN as e:
+                error, delay = e, min(delay * 2, MAX_BACKOFF)
+        log.warning("redis is back after %.1fs; resuming", time.monotonic() - since)
+        self._next_beat = 0.0
+        seen = as_text(seen) if seen is not None else None
+        if seen is not None and seen == self._sending:
+            self._sent = seen  # the step transaction in flight applied; only its reply was lost
+        elif seen != self._sent:
+            self._sent = seen
+            if self.active:
+                log.error("redis came back without writes it had acknowledged: dropping %d running jobs; "
+                          "they resume from what redis kept once their heartbeat expires", len(self.active))
+            for a in list(self.active.values()):
+                self.drop(a)
+
+    def retrying(self, fn, *args, **kwargs):
+        """fn(...) until Redis answers it: only for calls that may run twice."""
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except REDIS_DOWN as e:
+                self.wait_for_redis(e)
+
+    def guard(self, fn, *args):
+        """fn(*args), or None after waiting out a Redis outage. Only housekeeping that may run
+        again comes here (reads, heartbeats, reaping, rq's scheduler and maintenance,
+        dequeues); writes that must apply once are retried where they are made."""
+        try:
+            return fn(*args)
+        except REDIS_DOWN as e:
+            self.wait_for_redis(e)
+            return None
+
+    def send(self, batch: Batch) -> list | None:
+        """Send `batch` exactly once, across Redis outages. Returns the answers of its reads,
+        or None if it was dropped: one of its jobs was reaped during a long outage (the
+        others are handed back: they resume from what Redis stored), or Redis lost writes
+        (see wait_for_redis)."""
+        self._sends += 1
+        self._sending = mark = str(self._sends)
+        batch.pipe.set(self._marker, mark, ex=24 * 3600)
+        try:
+            while True:
+                try:
+                    answers = batch.send()
+                    self._sent = mark
+                    return answers
+                except REDIS_DOWN as e:
+                    self.wait_for_redis(e)  # it reads the marker
+                if self._sent == mark:
+                    return self.retrying(self._read, batch)
+                self.retrying(self.beat)
+                if any(job_id not in self.active for job_id in batch.jobs):
+                    for job_id in batch.jobs & self.active.keys():
+                        self.hand_back(self.active[job_id], "redis was unavailable for too long; job handed back")
+                    return None
+        finally:
+            self._sending = None
+
+    def _read(self, batch: Batch) -> list:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for command, args in batch.reads:
+                getattr(pipe, command)(*args)
+            return pipe.execute()
+
+    def end(self, job: Job, execution: Execution, transition) -> JobStatus | None:
+        """Run `transition`, a job's end in rq (it removes this worker's execution from the
+        started registry in the same transaction as the rest), until it applied, across Redis
+        outages; not again once the execution is gone (it applied before the connection
+        broke, or the job was reaped meanwhile). Returns the job's status after."""
+        registry = job.started_job_registry.key
+        while True:
+            try:
+                transition()
+            except REDIS_DOWN as e:
+                self.wait_for_redis(e)
+            if self.retrying(self.connection.zscore, registry, execution.composite_key) is None:
+                status = self.retrying(self.connection.hget, job.key, "status")
+                return JobStatus(as_text(status)) if status else None
+            self.retrying(job.refresh)  # what the failed try changed in the job object
+
+    # -- heartbeats and reaping ------------------------------------------------------
+
+    def beat(self) -> None:
+        """Heartbeat the worker and each running job's execution, in one transaction that
+        first reads whether each execution is still registered. One that is not was reaped
+        (this worker stalled, or Redis was away, longer than the TTL): its job runs
+        elsewhere now and is dropped here."""
+        self._next_beat = time.monotonic() + self.heartbeat_s
+        actives = list(self.active.values())
+        with self.connection.pipeline() as pipe:
+            for a in actives:
+                pipe.zscore(a.job.started_job_registry.key, a.execution.composite_key)
+            self.heartbeat(pipeline=pipe)
+            for a in actives:
+                a.execution.heartbeat(a.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
+            answers = pipe.execute()
+        if answers[len(actives)] == 1:  # our worker key was new: Redis lost it, so register again
+            with self.connection.pipeline() as pipe:
+                pipe.hset(self.key, mapping=self.serialize())
+                worker_registration.register(self, pipe)
+                pipe.execute()
+        for a, score in zip(actives, answers):
+            if score is None and a.job.id in self.active:
+                log.warning("job %s: reaped while this worker could not heartbeat it; dropped here", a.job.id)
+                self.drop(a)
+
+    def drop(self, a: Active) -> None:
+        """Forget a job here without writing anything for it."""
+        self.engine.abort(a.job.id)
+        self.executions.pop(a.execution.id, None)
+        self._done(a)
+
+    def reap(self) -> None:
+        """Retry, fail or cancel the jobs whose execution expired (their worker died or
+        stalled). rq does this only in its maintenance, every 10 minutes, and without the
+        stream entries."""
+        for q in self.queues:
+            key = q.started_job_registry.key
+            for entry in self.connection.zrangebyscore(key, 0, current_timestamp()):
+                self.reap_one(q, key, as_text(entry))
+
+    def reap_one(self, queue: Queue, registry: str, entry: str) -> None:
+        job_id, _ = parse_composite_key(entry)
+        with self.connection.pipeline() as pipe:
+            try:
+                # The owner's heartbeat writes the registry: watching it, a heartbeat (or
+                # another reaper) that comes meanwhile voids this transaction.
+                pipe.watch(registry)
+                score = pipe.zscore(registry, entry)
+                if score is None or score > current_timestamp():
+                    return
+                try:
+                    job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
+                except NoSuchJobError:
+                    job = None
+                if job is None or job.get_status(refresh=False) != JobStatus.STARTED:
+                    pipe.multi()  # a leftover entry: only remove it
+                    pipe.zrem(registry, entry)
+                    pipe.execute()
+                    return
+                canceled = pipe.exists(keys.cancel(job_id))
+                counts = self._counts(job_id)
+                why = f"AbandonedJobError: its worker {job.worker_name} stopped sending heartbeats"
+                batch = Batch(self.connection)
+                pipe.multi()
+                Execution.from_composite_key(entry, self.connection).delete(job=job, pipeline=pipe)
+                if canceled:
+                    self._canceled(job, pipe)
+                    batch.close(job_id, "canceled", self.settings.result_ttl, **counts)
+                    outcome = "canceled"
+                elif job.retries_left:
+                    job.retry(queue, pipe)
+                    batch.info(job_id, error=why)
+                    batch.status(job_id, "queued", error=f"{why}; retrying")
+                    outcome = f"retried ({job.retries_left} retries left)"
+                else:
+                    job.ended_at = now()
+                    record_job_failure(job, why, pipe)
+                    batch.info(job_id, error=why)
+                    batch.close(job_id, "failed", self.settings.result_ttl, error=why, **counts)
+                    outcome = "failed"
+                batch.send(pipe)
+            except WatchError:
+                return  # the next round looks again
+        log.warning("job %s: worker %s stopped sending heartbeats; job %s", job_id, job.worker_name, outcome)
+
     # -- one job's lifecycle -----------------------------------------------------------
 
+    def claim(self, job: Job, queue: Queue) -> Execution | None:
+        """Mark the job started by this worker, in one transaction: the StartedJobRegistry
+        entry and execution, the job's status. None if it is not queued any more (canceled
+        meanwhile, or a second entry of a job already taken)."""
+        registry = job.started_job_registry.key
+        while True:
+            execution = None
+            try:
+                with self.connection.pipeline() as pipe:
+                    pipe.watch(job.key)
+                    if as_text(pipe.hget(job.key, "status") or b"") != JobStatus.QUEUED:
+                        return None
+                    pipe.multi()
+                    execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
+                    self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+                    self.heartbeat(pipeline=pipe)
+                    job.prepare_for_execution(self.name, pipeline=pipe)
+                    pipe.persist(job.key)
+                    if len(self.queues) == 1:  # rq's single-queue dequeue keeps it in an intermediate list
+                        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                    pipe.execute()
+                break
+            except WatchError:  # the job changed, or the connection broke while watching
+                pass
+            except REDIS_DOWN as e:
+                self.wait_for_redis(e)
+            if execution and self.retrying(self.connection.zscore, registry, execution.composite_key) is not None:
+                break  # it applied; only the reply was lost
+        self.executions[execution.id] = execution
+        return execution
+
     def start(self, job: Job, queue: Queue) -> None:
-        execution = self.prepare_execution(job)  # StartedJobRegistry entry, worker busy
-        self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
+        execution = self.claim(job, queue)
+        if execution is None:
+            log.info("job %s: not queued any more; skipped", job.id)
+            return
         try:
             spec = JobSpec.model_validate(job.kwargs["spec"])
         except Exception as e:  # not a job our API made (or made by another version): no retry
@@ -204,8 +494,8 @@ class Consumer(BaseWorker):
         params = spec.sampling_params
         ns = [p.n for p in params]
         job_id = job.id
-        skip = store.finished(self.connection, job_id)
-        attempt = self.connection.hincrby(keys.info(job_id), "attempt", 1)
+        skip = self.retrying(store.finished, self.connection, job_id)
+        attempt = int(self.retrying(self.connection.hget, keys.info(job_id), "attempt") or 0) + 1
         a = Active(job, queue, execution, left={}, skip=skip, remaining=0,
                    deadline=time.monotonic() + (job.timeout if job.timeout and job.timeout > 0 else 1e12))
         self.active[job_id] = a
@@ -213,7 +503,7 @@ class Consumer(BaseWorker):
                  len(ns), len(skip))
 
         batch = Batch(self.connection)
-        batch.pipe.hset(keys.info(job_id), mapping={"total": len(ns), "samples": sum(ns)})
+        batch.info(job_id, total=len(ns), samples=sum(ns))
         batch.expire(job_id, self.settings.job_timeout + self.settings.result_ttl)
         batch.attempt(job_id, attempt, self.name)
         batch.status(job_id, "running")
@@ -230,7 +520,9 @@ class Consumer(BaseWorker):
             except ValueError as e:  # this item alone fails
                 for j in left:
                     self.record(batch, a, index, j, store.sample_record("", [], "error", None, str(e)))
-        batch.send()
+        self.send(batch)
+        if job_id not in self.active:  # dropped: Redis was away longer than the TTL
+            return
         if todo:
             try:
                 self.engine.add(job_id, todo, todo_params, seed=spec.seed)
@@ -272,6 +564,8 @@ class Consumer(BaseWorker):
         """One step's events -> one Redis transaction, which also reads the cancel flags and
         the queue lengths; then finish the completed jobs and cancel the flagged ones.
         Returns whether jobs are waiting in the queues."""
+        if time.monotonic() >= self._next_beat:  # after a long step: are the jobs still ours?
+            self.retrying(self.beat)
         batch = Batch(self.connection)
         in_step = {ev.tag for ev in events if ev.tag in self.active}
         for job_id in in_step:
@@ -314,7 +608,9 @@ class Consumer(BaseWorker):
             batch.read("mget", [keys.cancel(i) for i in ids])
         for q in self.queues:
             batch.read("llen", q.key)
-        answers = batch.send()
+        answers = self.send(batch)
+        if answers is None:
+            return False
         for job_id in in_step:
             a = self.active.get(job_id)
             if a is not None and a.remaining == 0:
@@ -327,29 +623,36 @@ class Consumer(BaseWorker):
 
     @staticmethod
     def _batching(batch: Batch, a: Active) -> None:
-        batch.pipe.hset(keys.info(a.job.id), mapping={"steps": a.steps, "max_batch_jobs": a.max_batch_jobs})
+        batch.info(a.job.id, steps=a.steps, max_batch_jobs=a.max_batch_jobs)
 
     def _done(self, a: Active) -> None:
         del self.active[a.job.id]
         if not self.active:
-            self.set_state(WorkerStatus.IDLE)
+            self.retrying(self.set_state, WorkerStatus.IDLE)
 
     def _counts(self, job_id: str) -> dict:
         info = progress.read(self.connection, job_id) or {}
         return {k: info.get(k) for k in ("done", "total", "failed")}
 
     def succeed(self, a: Active) -> None:
-        self._done(a)
-        job = a.job
-        job.ended_at = now()
         batch = Batch(self.connection)
         self._batching(batch, a)
-        batch.send()
-        counts = self._counts(job.id)
-        job._result = counts  # rq's job result (JSON): the counts; the outputs are in results/
-        self.handle_job_success(job, a.queue, job.started_job_registry, a.execution)
-        publisher.close(self.connection, job.id, "succeeded", self.settings.result_ttl, **counts)
-        log.info("job %s: succeeded (%s)", job.id, counts)
+        self.send(batch)
+        if a.job.id not in self.active:  # dropped: Redis was away longer than the TTL
+            return
+        self._done(a)
+        job = a.job
+        counts = self.retrying(self._counts, job.id)
+
+        def transition():
+            job.ended_at = now()
+            job._result = counts  # rq's job result (JSON): the counts; the outputs are in results/
+            self.handle_job_success(job, a.queue, job.started_job_registry, a.execution)
+
+        if self.end(job, a.execution, transition) == JobStatus.FINISHED:
+            self.retrying(publisher.close, self.connection, job.id, "succeeded", self.settings.result_ttl,
+                          **counts)
+            log.info("job %s: succeeded (%s)", job.id, counts)
 
     def fail(self, a: Active, exc_string: str, retry: bool = True, abort: bool = True) -> None:
         """Abort the job's requests and fail this attempt (rq retries it if it has retries
@@ -361,49 +664,67 @@ class Consumer(BaseWorker):
 
     def fail_now(self, job: Job, queue: Queue, execution: Execution, exc_string: str,
                  retry: bool = False) -> None:
-        job.ended_at = now()
-        if not retry:
-            job.retries_left = 0
         message = exc_string.strip().splitlines()[-1]
-        self.connection.hset(keys.info(job.id), "error", message)
-        self.handle_job_failure(job, queue, job.started_job_registry, exc_string, execution)
-        if job.get_status(refresh=False) == JobStatus.FAILED:
-            publisher.close(self.connection, job.id, "failed", self.settings.result_ttl,
-                            error=message, **self._counts(job.id))
+
+        def transition():
+            job.ended_at = now()
+            if not retry:
+                job.retries_left = 0
+            self.connection.hset(keys.info(job.id), "error", message)
+            # rq logs (and swallows) an error in its transaction: `end` sees it did not apply.
+            self.handle_job_failure(job, queue, job.started_job_registry, exc_string, execution)
+
+        status = self.end(job, execution, transition)
+        if status == JobStatus.FAILED:
+            self.retrying(publisher.close, self.connection, job.id, "failed", self.settings.result_ttl,
+                          error=message, **self.retrying(self._counts, job.id))
             log.warning("job %s: failed: %s", job.id, message)
-        else:
+        elif status in (JobStatus.QUEUED, JobStatus.SCHEDULED):
             batch = Batch(self.connection)
             batch.status(job.id, "queued", error=message)
-            batch.send()
+            self.retrying(batch.send)
             log.warning("job %s: attempt failed, retrying: %s", job.id, message)
         if not self.active:
-            self.set_state(WorkerStatus.IDLE)
+            self.retrying(self.set_state, WorkerStatus.IDLE)
+
+    def _canceled(self, job: Job, pipe) -> None:
+        """The rq side of a cancel, in `pipe`."""
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        pipe.hset(job.key, "ended_at", utcformat(now()))
+        CanceledJobRegistry(job.origin, self.connection, serializer=self.serializer).add(job, pipeline=pipe)
+        job.cleanup(self.settings.result_ttl, pipeline=pipe, remove_from_queue=False)
 
     def cancel(self, a: Active) -> None:
         """Abort now (KV freed at once); finished samples stay stored."""
         n = self.engine.abort(a.job.id)
         self._done(a)
         job = a.job
-        with self.connection.pipeline() as pipe:
-            job.set_status(JobStatus.CANCELED, pipeline=pipe)
-            pipe.hset(job.key, "ended_at", utcformat(now()))
-            self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
-            CanceledJobRegistry(job.origin, self.connection, serializer=self.serializer).add(job, pipeline=pipe)
-            job.cleanup(self.settings.result_ttl, pipeline=pipe, remove_from_queue=False)
-            pipe.execute()
-        publisher.close(self.connection, job.id, "canceled", self.settings.result_ttl, **self._counts(job.id))
-        log.info("job %s: canceled, %d requests aborted", job.id, n)
 
-    def hand_back(self, a: Active) -> None:
-        """Shutdown: requeue the job at the front, as if never started (no retry used)."""
+        def transition():
+            with self.connection.pipeline() as pipe:
+                self._canceled(job, pipe)
+                self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
+                pipe.execute()
+
+        if self.end(job, a.execution, transition) == JobStatus.CANCELED:
+            self.retrying(publisher.close, self.connection, job.id, "canceled", self.settings.result_ttl,
+                          **self.retrying(self._counts, job.id))
+            log.info("job %s: canceled, %d requests aborted", job.id, n)
+
+    def hand_back(self, a: Active, reason: str = "worker shut down; job handed back") -> None:
+        """Requeue the job at the front, as if never started (no retry used)."""
         self.engine.abort(a.job.id)
         self._done(a)
         job = a.job
-        with self.connection.pipeline() as pipe:
-            pipe.multi()
-            self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
-            job.started_at = None
-            a.queue.enqueue_job(job, pipeline=pipe, at_front=True)
-            pipe.xadd(keys.stream(job.id), events.status("queued", error="worker shut down; job handed back"))
-            pipe.execute()
+
+        def transition():
+            with self.connection.pipeline() as pipe:
+                pipe.multi()
+                self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
+                job.started_at = None
+                a.queue.enqueue_job(job, pipeline=pipe, at_front=True)
+                pipe.xadd(keys.stream(job.id), events.status("queued", error=reason))
+                pipe.execute()
+
+        self.end(job, a.execution, transition)
         log.info("job %s: handed back to queue %s", job.id, a.queue.name)

@@ -30,6 +30,10 @@ class Settings:
     job_timeout: int = 24 * 3600
     # Attempts after the first one, used when a worker dies or hits an engine error mid-job.
     job_retries: int = 2
+    # A running job's execution expires this long (seconds) after its worker's last heartbeat
+    # (sent every third of it); then any worker retries the job, or fails it. Above the
+    # longest engine step, or a stalled worker loses its jobs.
+    heartbeat_ttl: int = 30
     # An idle SSE connection gets a comment this often (seconds); proxies keep it open.
     sse_keepalive: int = 15
 
@@ -45,5 +49,6 @@ class Settings:
             result_ttl=_int("FANOUT_RESULT_TTL", d.result_ttl),
             job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
+            heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
         )

@@ -119,8 +119,9 @@ def api_url(api_pair):
 class WorkerProc:
     """The worker process; tests may stop it (SIGTERM) and start a new one."""
 
-    def __init__(self, redis_url, model_dir, log_dir):
+    def __init__(self, redis_url, model_dir, log_dir, env=None):
         self.redis_url, self.model_dir, self.log_dir = redis_url, model_dir, log_dir
+        self.env = env or {}  # extra environment, e.g. FANOUT_HEARTBEAT_TTL
         self.count = 0
         self.proc = None
         self.name = None
@@ -128,10 +129,10 @@ class WorkerProc:
     def start(self):
         from rq.worker import Worker
         self.count += 1
-        self.name = f"test-worker-{os.getpid()}-{self.count}"
+        self.name = f"test-worker-{os.getpid()}-{os.urandom(3).hex()}-{self.count}"
         self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
                           "--redis-url", self.redis_url, "--drain-timeout", "0"],
-                         _env(self.redis_url), str(self.log_dir / f"{self.name}.log"))
+                         {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"))
         conn = redis_lib.Redis.from_url(self.redis_url)
 
         def registered():

@@ -1,0 +1,165 @@
+"""A worker killed with SIGKILL mid-job: its jobs are retried on a live worker (resuming from
+the stored samples), failed (no retries left) or canceled (a cancel was asked) within the
+heartbeat TTL plus a few seconds, and every stream gets its terminal entry. Its own Redis,
+API and workers; the killed worker runs with the default TTL (30 s)."""
+import signal
+import time
+from collections import Counter
+
+import pytest
+import redis as redis_lib
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from api import jobs
+from api.schemas import JobRequest
+from conftest import WorkerProc, start_api, wait_for
+from results import keys, reader
+from results.client import Client
+from worker.cli import EmbeddedRedis
+from worker.engine import SamplingParams
+from worker.settings import Settings
+
+TARGET_S = 45  # from the kill to the job succeeded (default TTL 30 s + reaping + the rest of the job)
+LIVE_TTL = 4  # the live workers' own TTL, which their jobs outlive
+SHORT = {"max_new_tokens": 4, "n": 2, "temperature": 0.8, "ignore_eos": True}
+LONG = {"max_new_tokens": 60, "temperature": 0.8, "ignore_eos": True}
+PROMPTS = [f"item {i}: the quick brown fox" for i in range(24)]
+PARAMS = [SHORT] * 16 + [LONG] * 8  # the short items finish before the kill, the long ones after
+
+
+@pytest.fixture(scope="module")
+def service(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("recovery")
+    server = EmbeddedRedis()
+    api, url = start_api(server.url, logs, "api")
+    r = redis_lib.Redis.from_url(server.url)
+    live = [WorkerProc(server.url, model_dir, logs, env={"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)}) for _ in range(2)]
+    yield {"url": server.url, "redis": r, "api": url, "logs": logs, "live": live}
+    for w in live:
+        if w.proc:
+            w.stop()
+    api.stop()
+    r.close()
+    server.stop()
+
+
+def entries(r, job_id):
+    return [reader.events.decode(f) for _, f in r.xrange(keys.stream(job_id))]
+
+
+def terminal(r, job_id):
+    """The terminal entries, each with the time it was written (from its stream id)."""
+    return [(int(i.split(b"-")[0]) / 1000, e) for i, e in
+            ((i, reader.events.decode(f)) for i, f in r.xrange(keys.stream(job_id))) if reader.events.is_terminal(e)]
+
+
+def at(r, job_id, k):
+    """When the job's k-th stream entry was written."""
+    return int(r.xrange(keys.stream(job_id))[k][0].split(b"-")[0]) / 1000
+
+
+def test_a_killed_workers_jobs_resume_fail_or_cancel_within_the_ttl(service, model_dir, engine):
+    r, api = service["redis"], service["api"]
+    dead = WorkerProc(service["url"], model_dir, service["logs"])  # default TTL
+    try:
+        dead.start()
+        with Client(api) as client:
+            check_the_jobs(r, client, dead, service["live"], engine)
+    finally:
+        if dead.proc and dead.proc.alive():
+            dead.stop(signal.SIGKILL)
+
+
+def check_the_jobs(r, client, dead, live, engine):
+    resumed = client.submit(prompts=PROMPTS, sampling_params=PARAMS, seed=5)["id"]
+    canceled = client.submit(prompts=["cancel me"], sampling_params={**LONG, "max_new_tokens": 900})["id"]
+    no_retry = Settings(result_ttl=3600, job_retries=0)  # a job submitted where FANOUT_JOB_RETRIES=0
+    failed = jobs.submit(r, JobRequest(prompts=["fail me"], sampling_params={**LONG, "max_new_tokens": 900}),
+                         no_retry)["id"]
+
+    # Kill it once all three run on it and some samples of the first are stored (cheap checks:
+    # the long items have ~50 engine steps to go).
+    def mid_job():
+        return r.hlen(keys.results(resumed)) >= 4 and all(r.hget(keys.info(j), "attempt") for j in
+                                                           (resumed, canceled, failed))
+    wait_for(mid_job, 60, "the jobs to run on the first worker", interval=0.002)
+    dead.stop(signal.SIGKILL)
+    killed_at = time.time()
+    stored_before = r.hlen(keys.results(resumed))
+    assert 0 < stored_before < 16 * 2 + 8, "the kill must land mid-job"
+    assert client.cancel(canceled)["status"] == "running"  # orphaned: no worker watches its flag
+
+    for w in live:
+        w.start()
+    info = wait_for(lambda: (i := client.status(resumed))["status"] in ("succeeded", "failed") and i,
+                    TARGET_S + 15, "the job to resume and finish", interval=0.2)
+    done_in = time.time() - killed_at
+    assert info["status"] == "succeeded" and info["attempt"] == 2, info
+    assert done_in < TARGET_S, f"succeeded {done_in:.1f}s after the kill"
+    assert info["progress"] == {"total": 24, "done": 24, "failed": 0, "samples": 40, "samples_done": 40}
+    assert info["usage"]["completion_tokens"] == 16 * 2 * 4 + 8 * 60  # nothing counted twice
+
+    # The stream: attempt 1, the reaper's retry entry, attempt 2 only for what was not stored.
+    es = entries(r, resumed)
+    attempts = [k for k, e in enumerate(es) if e["type"] == "attempt"]
+    assert len(attempts) == 2
+    first, second = es[:attempts[1]], es[attempts[1]:]
+    retry = es[attempts[1] - 1]
+    assert retry["status"] == "queued" and "stopped sending heartbeats" in retry["error"], retry
+    finals = Counter((e["index"], e["sample"]) for e in es if e["type"] == "final")
+    assert set(finals.values()) == {1} and len(finals) == 40  # every sample final exactly once
+    before = {(e["index"], e["sample"]) for e in first if e["type"] == "final"}
+    assert len(before) == stored_before
+    redone = {(e["index"], e["sample"]) for e in second if e["type"] in ("delta", "final")}
+    assert redone == set(finals) - before  # stored samples were not recomputed
+    resumed_in = at(r, resumed, attempts[1]) - killed_at
+    assert resumed_in < 30 + 5, f"attempt 2 started {resumed_in:.1f}s after the kill"
+
+    items = client.results(resumed)
+    got = {(it["index"], s["sample"]): s["token_ids"] for it in items for s in it["samples"]}
+    ref = engine.generate(prompts=PROMPTS, sampling_params=[SamplingParams(**p) for p in PARAMS], seed=5)
+    assert got == {(it.index, j): s.token_ids for it in ref for j, s in enumerate(it.samples)}
+    rb = reader.Rebuilder()
+    for e in es:
+        rb.apply(e)
+    assert {k: o.token_ids for k, o in rb.outputs.items()} == got and rb.status == "succeeded"
+
+    # The orphaned job's cancel took effect when it was reaped.
+    info = wait_for(lambda: (i := client.status(canceled))["status"] != "running" and i, 10, "the cancel")
+    assert info["status"] == "canceled", info
+    [(when, end)] = terminal(r, canceled)
+    assert end["status"] == "canceled" and when - killed_at < 30 + 5, (end, when - killed_at)
+    assert Job.fetch(canceled, connection=r, serializer=JSONSerializer).get_status() == "canceled"
+
+    # No retries left: failed, with its one terminal entry; a follower of the stream returns.
+    follow = list(reader.follow(r, failed, timeout=10))
+    assert follow[-1][1]["status"] == "failed" and "stopped sending heartbeats" in follow[-1][1]["error"]
+    [(when, end)] = terminal(r, failed)
+    assert end["status"] == "failed" and when - killed_at < 30 + 5, (end, when - killed_at)
+    info = client.status(failed)
+    assert info["status"] == "failed" and "stopped sending heartbeats" in info["error"]
+    for k in (keys.info(failed), keys.stream(failed), Job.key_for(failed)):
+        assert 3000 < r.ttl(k) <= 3600, k  # result_ttl from its end, not job_timeout + result_ttl
+    assert dead.proc.proc.returncode == -signal.SIGKILL
+
+
+def test_a_live_workers_jobs_are_never_reaped(service):
+    """Two live workers with a 4 s TTL, each reaping every 2 s: a job running for more than
+    two TTLs keeps its first attempt, as its worker heartbeats it between engine steps."""
+    r, live = service["redis"], service["live"]
+    for w in live:
+        if not (w.proc and w.proc.alive()):
+            w.start()
+    with Client(service["api"]) as client:
+        job = client.submit(prompts=PROMPTS[:8], sampling_params={**LONG, "max_new_tokens": 1000, "n": 8})["id"]
+        it = reader.follow(r, job, timeout=60)
+        next(e for _, e in it if e["type"] == "delta")
+        time.sleep(2 * LIVE_TTL + 1)
+        info = client.status(job)
+        assert info["status"] == "running" and info["attempt"] == 1, info  # still its first attempt
+        client.cancel(job)
+        es = [e for _, e in it]
+    assert es[-1]["status"] == "canceled"
+    assert not [e for e in entries(r, job) if e["type"] == "attempt" and e["attempt"] > 1]
+    assert not [e for e in entries(r, job) if e.get("status") == "queued" and e.get("error")], "reaped"
