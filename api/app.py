@@ -5,22 +5,32 @@
 """
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
+import anyio
 import redis
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
+from . import auth, metrics, tenants
+from .openai import batches
+from .openai import router as openai_router
+from .openai.errors import RESPONSES as OPENAI_ERRORS
+from .openai.errors import OpenAIError, from_validation, is_openai
 from .schemas import UNION_TAGS, ErrorOut, Health
 from .submit import router
 
@@ -41,12 +51,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.settings = settings
         app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
+        try:
+            if not tenants.enabled(app.state.redis):
+                logging.getLogger("fanout.api").warning(
+                    "no API keys: every client sees every job (`fanout keys create` turns auth on)")
+        except redis.RedisError as e:  # Redis not up yet: every request checks for itself
+            logging.getLogger("fanout.api").warning("cannot tell yet whether API keys exist: %s", e)
         # The SSE relay's XREAD blocks up to sse_keepalive seconds: a socket timeout under
         # that (redis-py 8 defaults to 5 s) would fail every idle stream.
         app.state.aredis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                                    socket_timeout=settings.sse_keepalive + 10,
                                                    retry=_retry(AsyncRetry))
-        yield
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(batches.sweep, app.state)  # OpenAI batches: expiry, finalization
+            yield
+            tasks.cancel_scope.cancel()
         await app.state.aredis.aclose()
         app.state.redis.close()
 
@@ -54,7 +73,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # is served with the Swagger UI files of the swagger-ui-bundle-v2 package; no ReDoc.
     app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Batch text generation: submit a job, follow its stream, fetch results.")
-    app.include_router(router, responses=UNAVAILABLE)
+    # Every router goes in with auth.authenticate: its routes need a key once keys exist.
+    app.include_router(router, dependencies=[Depends(auth.authenticate)],
+                       responses={**UNAVAILABLE, **auth.RESPONSES})
+    app.include_router(openai_router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
     @app.get("/docs", include_in_schema=False)
@@ -65,10 +87,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             swagger_js_url=f"{root}/docs/static/swagger-ui-bundle.js",
             swagger_css_url=f"{root}/docs/static/swagger-ui.css",
             swagger_favicon_url=f"{root}/docs/static/favicon-32x32.png")
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # A batch file upload has its own limit (FANOUT_BATCH_MAX_FILE_BYTES, and 1 MiB for the form).
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       paths={"/v1/files": settings.batch_max_file_bytes + 2**20})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
+        if is_openai(request.url.path):
+            return from_validation(exc.errors()).response()
         # Drop pydantic's union tags from locations: body.sampling_params.top_p, not
         # body.sampling_params.one.top_p.
         detail = []
@@ -79,10 +105,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=422)
 
     async def redis_down(request: Request, exc: Exception):
+        if is_openai(request.url.path):
+            return OpenAIError(503, f"redis unavailable: {exc}", type="server_error").response()
         return JSONResponse({"detail": f"redis unavailable: {exc}"}, status_code=503)
 
     for error in REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
+
+    @app.exception_handler(tenants.OverLimit)
+    async def over_limit(request: Request, exc: tenants.OverLimit):
+        if is_openai(request.url.path):
+            return OpenAIError(429, exc.detail, code=exc.limit).response()
+        return JSONResponse({"detail": exc.detail, "limit": exc.limit}, status_code=429)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # The OpenAI routes answer every error in OpenAI's format (auth's 401, 403, 404, 405).
+        if is_openai(request.url.path):
+            return OpenAIError(exc.status_code, str(exc.detail)).response(exc.headers)
+        return await http_exception_handler(request, exc)
 
     @app.get("/healthz", response_model=Health, responses=UNAVAILABLE)
     def healthz(request: Request):
@@ -93,32 +138,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"detail": f"redis unavailable: {e}"}, status_code=503)
         return {"status": "ok", "redis": "ok"}
 
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus(request: Request):
+        """Prometheus text exposition; open like /healthz (see api/metrics.py)."""
+        return Response(metrics.exposition(request.app.state.redis), media_type=CONTENT_TYPE_LATEST)
+
+    # Added last, so outermost: it counts every answer, those of the middleware above too.
+    app.add_middleware(metrics.RequestMetrics, openapi=app.openapi)
     return app
 
 
 class BodyLimit:
-    """A body over `limit` bytes gets a 422 naming the body, like any other bad input: at
-    once when Content-Length says so; a body sent without one is read up to the limit first
-    (the JSON parser would hold it all anyway)."""
+    """A body over `limit` bytes (or its path's in `paths`) gets a 422 naming the body, like
+    any other bad input (on the OpenAI routes a 400 in OpenAI's format): at once when
+    Content-Length says so; a body sent without one is read up to the limit first (the JSON
+    parser would hold it all anyway)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, paths: dict[str, int]):
+        self.app, self.limit, self.paths = app, limit, paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        limit = self.paths.get(scope["path"], self.limit)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit():
-            if int(declared) > self.limit:
-                return await self._reject(scope, receive, send)
+            if int(declared) > limit:
+                return await self._reject(scope, receive, send, limit)
             return await self.app(scope, receive, send)
         buffered, seen = [], 0
         while True:
             message = await receive()
             buffered.append(message)
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await self._reject(scope, receive, send)
+            if seen > limit:
+                return await self._reject(scope, receive, send, limit)
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
@@ -127,8 +181,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope, receive, send):
-        await JSONResponse({"detail": [{
-            "loc": ["body"], "type": "body_too_large",
-            "msg": f"the body is over the limit of {self.limit} bytes (FANOUT_MAX_BODY_BYTES)"}]},
-            status_code=422)(scope, receive, send)
+    async def _reject(self, scope, receive, send, limit: int):
+        msg = f"the body is over the limit of {limit} bytes (FANOUT_MAX_BODY_BYTES)"
+        if scope["path"] in self.paths:
+            msg = f"the body is over the limit of {limit} bytes (FANOUT_BATCH_MAX_FILE_BYTES + 1 MiB)"
+        if is_openai(scope["path"]):
+            return await OpenAIError(400, msg, code="body_too_large").response()(scope, receive, send)
+        await JSONResponse({"detail": [{"loc": ["body"], "type": "body_too_large", "msg": msg}]},
+                           status_code=422)(scope, receive, send)

@@ -8,6 +8,7 @@ job spec; the Fanout worker runs it in its engine (rq's fork-per-job path is not
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -23,6 +24,7 @@ from worker.settings import Settings
 from worker.spec import JOB_FUNC, QUEUES, JobSpec
 
 from .schemas import JobRequest
+from .tenants import OverLimit, Tenant
 
 _STATUS = {
     JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
@@ -54,13 +56,18 @@ class Claimed(Exception):
 
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
-           spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None) -> dict[str, Any]:
+           spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None,
+           tenant: Tenant | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
     transaction. `spec` is req.spec() unless given. `idempotency` = (key, body hash): the
     key is claimed in that same transaction, so a claim never exists without its job;
-    raises Claimed if the key was taken. Returns the JobCreated body."""
+    raises Claimed if the key was taken. `tenant` (None in open mode) owns the job: its
+    rights and limits are checked (HTTPException 403, OverLimit) and the job takes one of
+    its in-flight slots, given back by publisher.close. Returns the JobCreated body."""
     job_id = job_id or new_id()
     spec = spec or req.spec()
+    if tenant is not None:
+        tenant.check_job(req.priority, req.size, sum(p.n * p.max_new_tokens for p in spec.sampling_params))
     if req.run_at and req.run_at.microsecond:
         # rq schedules in whole seconds (rounding down): round up so a job never starts early.
         req = req.model_copy(update={"run_at": req.run_at.replace(microsecond=0) + timedelta(seconds=1)})
@@ -79,7 +86,12 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
             "priority": req.priority, "metadata": json.dumps(req.metadata)}
     if req.run_at:
         info["run_at"] = req.run_at.isoformat()
-    claim = keys.idempotency(idempotency[0]) if idempotency else None
+    slots = keys.inflight(tenant.id) if tenant else None
+    if tenant:
+        info.update(tenant=tenant.id, slot=slots)
+    claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
+    max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
+    listed = keys.jobs(tenant.id if tenant else None)
     with redis.pipeline() as pipe:
         while True:
             if claim:
@@ -88,15 +100,29 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                 if stored is not None:
                     pipe.reset()
                     raise Claimed(json.loads(stored))
+            if max_jobs is not None:
+                pipe.watch(slots)  # another of the tenant's submits (or a job ending) meanwhile: again
+                if int(pipe.get(slots) or 0) >= max_jobs:
+                    pipe.reset()
+                    raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
+                                                      "API key's limit (jobs_in_flight)")
             pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
+            if slots:
+                pipe.incr(slots)
             if claim:
                 pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": spec.seed,
                                             "items": req.size}), ex=settings.result_ttl)
             pipe.hset(keys.info(job_id), mapping=info)
             pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
+            if spec.custom_ids:
+                pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in spec.custom_ids])
             # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
-            for k in (keys.info(job_id), keys.stream(job_id)):
+            for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id)):
                 pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
+            # The listing: entries of expired jobs go when a listing meets them, or at this age.
+            now = time.time()
+            pipe.zadd(listed, {job_id: now})
+            pipe.zremrangebyscore(listed, 0, now - settings.job_timeout - settings.result_ttl)
             if req.run_at:
                 q.schedule_job(job, req.run_at, pipeline=pipe)
             else:
@@ -104,7 +130,7 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
             try:
                 pipe.execute()
                 break
-            except WatchError:  # claimed by another request first: the next round replays it
+            except WatchError:  # claimed (or a slot taken) by another request first: look again
                 continue
     return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": spec.seed,
             "items": req.size}
@@ -130,6 +156,14 @@ def status_of(redis, job_id: str) -> tuple[str, dict[str, str | None]]:
     return _STATUS[JobStatus(rq["status"])], rq
 
 
+def owned(redis, job_id: str, tenant: Tenant | None) -> None:
+    """Raises JobNotFound unless `tenant` may see the job: in open mode (None) every job;
+    with keys only its own, so another tenant's job answers exactly as an unknown id. Every
+    job route calls it."""
+    if tenant is not None and _text(redis.hget(keys.info(job_id), "tenant")) != tenant.id:
+        raise JobNotFound(job_id)
+
+
 def describe(redis, job_id: str) -> dict[str, Any]:
     """The JobInfo body. Raises JobNotFound."""
     status, rq = status_of(redis, job_id)
@@ -147,10 +181,43 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
         "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
         "error": error, "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
-        "stream": keys.stream(job_id), "run_at": info["run_at"],
+        "model": info["model"], "stream": keys.stream(job_id), "run_at": info["run_at"],
         "created_at": rq["created_at"], "started_at": rq["started_at"], "ended_at": rq["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
     }
+
+
+def listing(redis, tenant: Tenant | None, after: str | None, limit: int,
+            status: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """(JobInfo bodies newest first, after the job `after` and of `status` if given, at most
+    `limit`; whether there are more). The tenant's jobs only (all in open mode). Raises
+    JobNotFound if `after` is not listed."""
+    key = keys.jobs(tenant.id if tenant else None)
+    start = 0
+    if after is not None:
+        rank = redis.zrevrank(key, after)
+        if rank is None:
+            raise JobNotFound(after)
+        start = rank + 1
+    found, gone = [], []
+    while len(found) <= limit:
+        ids = [_text(i) for i in redis.zrevrange(key, start, start + 99)]
+        if not ids:
+            break
+        start += len(ids)
+        for job_id in ids:
+            try:
+                info = describe(redis, job_id)
+            except JobNotFound:
+                gone.append(job_id)  # expired
+                continue
+            if status is None or info["status"] == status:
+                found.append(info)
+                if len(found) > limit:
+                    break
+    if gone:  # after the scan: removing shifts the ranks it pages by
+        redis.zrem(key, *gone)
+    return found[:limit], len(found) > limit
 
 
 def cancel(redis, job_id: str, settings: Settings) -> str:

@@ -9,6 +9,8 @@ from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, Valida
 from worker.engine.sampling_params import SamplingParams, per_item
 from worker.spec import KINDS, JobInput, JobSpec
 
+from .tenants import LIMITS
+
 Priority = Literal["high", "normal", "low"]
 Status = Literal["queued", "scheduled", "running", "succeeded", "failed", "canceled"]
 MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
@@ -60,7 +62,7 @@ class JobRequest(JobInput):
         params, job_seed = per_item(self.sampling_params, self.size, seed if seed is not None else self.seed)
         if job_seed is None:
             job_seed = random.getrandbits(63)
-        return JobSpec(**{self.kind: self.items}, sampling_params=params, seed=job_seed)
+        return JobSpec(**{self.kind: self.items}, custom_ids=self.custom_ids, sampling_params=params, seed=job_seed)
 
 
 class JobCreated(BaseModel):
@@ -100,6 +102,7 @@ class JobInfo(BaseModel):
     seed: int
     attempt: int = Field(description="attempts started so far (retries after worker loss count)")
     metadata: dict[str, str]
+    model: str | None = Field(description="the model of the worker that ran it (null until one starts it)")
     stream: str
     run_at: str | None
     created_at: str | None
@@ -133,6 +136,7 @@ class SampleOut(BaseModel):
 
 class ItemOut(BaseModel):
     index: int
+    custom_id: str | None = Field(description="the item's custom_id, if it was given one")
     samples: list[SampleOut] = Field(description="finished samples so far, by sample index")
 
 
@@ -146,6 +150,12 @@ class ResultsPage(BaseModel):
     items: list[ItemOut]
 
 
+class JobList(BaseModel):
+    data: list[JobInfo] = Field(description="newest first")
+    has_more: bool
+    last_id: str | None = Field(description="pass it as `after` for the next page")
+
+
 class Canceled(BaseModel):
     id: str
     status: Status
@@ -153,6 +163,11 @@ class Canceled(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str
+
+
+class LimitOut(ErrorOut):
+    limit: Literal[tuple(LIMITS)] = Field(
+        description="the API key's limit that was hit (`fanout keys list` shows them)")
 
 
 class Health(BaseModel):

@@ -19,7 +19,7 @@ from results import events, keys, progress, publisher, store
 from . import jobs
 from worker.spec import JobSpec
 
-from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobRequest, ResultsPage
+from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobList, JobRequest, ResultsPage, Status
 
 router = APIRouter(prefix="/v1")
 
@@ -75,6 +75,7 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 
 @router.post("/jobs", status_code=202, response_model=JobCreated, responses={
     400: {"model": ErrorOut, "description": "the body is not UTF-8 (FastAPI cannot decode it)"},
+    403: {"model": ErrorOut, "description": "`priority: high` without the right (`fanout keys create --high-priority`)"},
     409: {"model": ErrorOut, "description": "Idempotency-Key reused with a different body"},
 })
 def submit(req: JobRequest, request: Request, response: Response,
@@ -88,7 +89,8 @@ def submit(req: JobRequest, request: Request, response: Response,
     if idempotency_key is not None:
         idempotency = (idempotency_key, hashlib.sha256(req.model_dump_json().encode()).hexdigest())
     try:
-        body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency)
+        body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency,
+                           tenant=request.state.tenant)
     except jobs.Claimed as e:
         body = _replay(st.redis, e.stored, idempotency[1])
         response.headers["Idempotent-Replayed"] = "true"
@@ -96,10 +98,23 @@ def submit(req: JobRequest, request: Request, response: Response,
     return body
 
 
+@router.get("/jobs", response_model=JobList)
+def list_jobs(request: Request, after: str | None = Query(None, description="the `last_id` of the previous page"),
+              limit: int = Query(20, ge=1, le=100), status: Status | None = Query(None)):
+    """Your jobs (every job without API keys), newest first, `limit` at a time; `status` filters."""
+    try:
+        data, more = jobs.listing(_state(request).redis, request.state.tenant, after, limit, status)
+    except jobs.JobNotFound:
+        raise RequestValidationError([{"loc": ("query", "after"), "type": "value_error",
+                                       "msg": f"not a job of this listing (or expired): {after}"}]) from None
+    return {"data": data, "has_more": more, "last_id": data[-1]["id"] if data else None}
+
+
 @router.get("/jobs/{job_id}", response_model=JobInfo, responses=NOT_FOUND)
 def get_job(job_id: str, request: Request):
     """Status, progress (items done / total), usage, error."""
     try:
+        jobs.owned(_state(request).redis, job_id, request.state.tenant)
         return jobs.describe(_state(request).redis, job_id)
     except jobs.JobNotFound:
         raise _not_found(job_id) from None
@@ -111,6 +126,7 @@ def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
     """Finished samples, by item index; `next_offset` is null on the last page."""
     redis = _state(request).redis
     try:
+        jobs.owned(redis, job_id, request.state.tenant)
         status, _ = jobs.status_of(redis, job_id)
         info = progress.read(redis, job_id)
     except jobs.JobNotFound:
@@ -130,6 +146,7 @@ def cancel_job(job_id: str, request: Request):
     (status stays `running` until then). Finished samples are kept."""
     st = _state(request)
     try:
+        jobs.owned(st.redis, job_id, request.state.tenant)
         before, _ = jobs.status_of(st.redis, job_id)
         if before in ("succeeded", "failed", "canceled"):
             raise HTTPException(409, f"job already {before}")
@@ -160,6 +177,7 @@ async def job_events(job_id: str, request: Request,
         raise RequestValidationError([{"loc": where, "type": "value_error",
                                        "msg": f"not a stream entry id (<ms>-<seq>): {start!r}"}])
     try:
+        await anyio.to_thread.run_sync(jobs.owned, st.redis, job_id, request.state.tenant)
         await anyio.to_thread.run_sync(jobs.status_of, st.redis, job_id)
     except jobs.JobNotFound:
         raise _not_found(job_id) from None
@@ -176,7 +194,7 @@ async def job_events(job_id: str, request: Request,
                 return
             if not resp:
                 yield ": keep-alive\n\n"
-                ended = await anyio.to_thread.run_sync(_settle, st, job_id)
+                ended = await anyio.to_thread.run_sync(settle, st, job_id)
                 if ended and not await st.aredis.xread({key: last}, count=1):
                     return  # resumed after the terminal entry: the client has the end
                 continue
@@ -191,7 +209,7 @@ async def job_events(job_id: str, request: Request,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _settle(st, job_id: str) -> bool:
+def settle(st, job_id: str) -> bool:
     """Whether the job has ended (its terminal entry is on the stream, or it expired). A job
     rq ended without a terminal stream entry (its worker died, no retries left) gets that
     entry here, so readers stop waiting."""

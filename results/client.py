@@ -41,9 +41,10 @@ def _check(r: httpx.Response) -> Any:
 
 
 class Client:
-    def __init__(self, url: str = "http://localhost:8000", timeout: float = 30.0):
+    def __init__(self, url: str = "http://localhost:8000", timeout: float = 30.0, api_key: str | None = None):
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self.http.close()

@@ -12,6 +12,8 @@ stays readable.
     type=error    index sample error                  the sample failed (e.g. prompt too long)
     type=status   status [done total failed error]    the job's status changed
 
+delta, final and error entries of an item that has a `custom_id` carry it too.
+
 Rebuilding: concatenate `delta` of the delta and final entries of each (index, sample).
 An `attempt` entry after the first means a retry: drop the partial deltas of samples that
 have no final yet (the new attempt regenerates them from the start, same seed).
@@ -37,29 +39,34 @@ def attempt(number: int, worker: str) -> dict[str, str]:
 
 
 def delta(index: int, sample: int, text: str, token_ids: list[int],
-          logprobs: list[dict] | None = None) -> dict[str, str]:
-    return _with_logprobs({"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
-                           "delta_ids": json.dumps(token_ids)}, logprobs)
+          logprobs: list[dict] | None = None, custom_id: str | None = None) -> dict[str, str]:
+    return _optional({"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
+                      "delta_ids": json.dumps(token_ids)}, logprobs, custom_id)
 
 
-def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict) -> dict[str, str]:
+def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict,
+          custom_id: str | None = None) -> dict[str, str]:
     """`record` is the stored sample (see results.store.sample_record)."""
-    return _with_logprobs({"type": FINAL, "index": str(index), "sample": str(sample), "delta": text_delta,
-                           "delta_ids": json.dumps(ids_delta), "text": record["text"],
-                           "token_ids": json.dumps(record["token_ids"]),
-                           "finish_reason": record["finish_reason"], "usage": json.dumps(record["usage"])},
-                          record["logprobs"])
+    return _optional({"type": FINAL, "index": str(index), "sample": str(sample), "delta": text_delta,
+                      "delta_ids": json.dumps(ids_delta), "text": record["text"],
+                      "token_ids": json.dumps(record["token_ids"]),
+                      "finish_reason": record["finish_reason"], "usage": json.dumps(record["usage"])},
+                     record["logprobs"], custom_id)
 
 
-def _with_logprobs(fields: dict[str, str], logprobs: list[dict] | None) -> dict[str, str]:
-    """Only samples that asked carry the field: the others' entries stay small."""
+def _optional(fields: dict[str, str], logprobs: list[dict] | None, custom_id: str | None) -> dict[str, str]:
+    """Only samples that asked carry logprobs, only items that have one their custom_id: the
+    other entries stay small."""
     if logprobs is not None:
         fields["logprobs"] = json.dumps(logprobs)
+    if custom_id is not None:
+        fields["custom_id"] = custom_id
     return fields
 
 
-def error(index: int, sample: int, message: str) -> dict[str, str]:
-    return {"type": ERROR, "index": str(index), "sample": str(sample), "error": message}
+def error(index: int, sample: int, message: str, custom_id: str | None = None) -> dict[str, str]:
+    return _optional({"type": ERROR, "index": str(index), "sample": str(sample), "error": message},
+                     None, custom_id)
 
 
 def status(value: str, **extra: Any) -> dict[str, str]:

@@ -24,15 +24,90 @@ def cancel(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"
 
 
+def custom_ids(job_id: str) -> str:
+    """List of the items' custom ids, in index order ("" for an item without one); absent
+    when the job has none."""
+    return f"{PREFIX}:job:{job_id}:custom_ids"
+
+
+def jobs(tenant: str | None) -> str:
+    """Sorted set of the tenant's job ids (every job in open mode), scored by submit time:
+    GET /v1/jobs lists it newest first."""
+    return f"{PREFIX}:jobs" if tenant is None else f"{PREFIX}:tenant:{tenant}:jobs"
+
+
+def models() -> str:
+    """Hash of the served models: name -> JSON {created, expires}; each worker refreshes its
+    model's entry with its heartbeat, so a model is served while `expires` is ahead."""
+    return f"{PREFIX}:models"
+
+
+def file(file_id: str) -> str:
+    """An OpenAI file's object (JSON); its bytes are at file_content."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_content(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}:content"
+
+
+def files(tenant: str | None) -> str:
+    """Sorted set of the tenant's file ids (every file in open mode), scored by creation time."""
+    return f"{PREFIX}:files" if tenant is None else f"{PREFIX}:tenant:{tenant}:files"
+
+
+def batch(batch_id: str) -> str:
+    """An OpenAI batch's object (JSON); its job is the native job of the same hex id."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batches(tenant: str | None) -> str:
+    """Sorted set of the tenant's batch ids (every batch in open mode), scored by creation time."""
+    return f"{PREFIX}:batches" if tenant is None else f"{PREFIX}:tenant:{tenant}:batches"
+
+
+def batches_open() -> str:
+    """Set of the batches not ended yet: every API process moves them along (api.openai.batches)."""
+    return f"{PREFIX}:batches:open"
+
+
+def batch_lock(batch_id: str) -> str:
+    """Held by the API process that writes a batch's output files."""
+    return f"{PREFIX}:batch:{batch_id}:lock"
+
+
 def closed(job_id: str) -> str:
     """Guard so exactly one terminal status entry is written to the stream."""
     return f"{PREFIX}:job:{job_id}:closed"
 
 
-def idempotency(key: str) -> str:
-    return f"{PREFIX}:idempotency:{key}"
+def idempotency(key: str, tenant: str | None = None) -> str:
+    """A client's Idempotency-Key: per tenant (API key), global in open mode."""
+    if tenant is None:
+        return f"{PREFIX}:idempotency:{key}"
+    return f"{PREFIX}:tenant:{tenant}:idempotency:{key}"
+
+
+def api_key(digest: str) -> str:
+    """An API key's tenant record (JSON), by the sha256 of the key: the key itself is never stored."""
+    return f"{PREFIX}:apikey:{digest}"
+
+
+def api_keys() -> str:
+    """Hash of every API key ever created: tenant id -> sha256 of its key. Auth is on while it exists."""
+    return f"{PREFIX}:apikeys"
+
+
+def inflight(tenant: str) -> str:
+    """The tenant's jobs queued, scheduled or running: +1 at submit, -1 when the job is closed."""
+    return f"{PREFIX}:tenant:{tenant}:inflight"
+
+
+def requests(tenant: str, second: int) -> str:
+    """The tenant's requests in one second (a fixed-window rate counter)."""
+    return f"{PREFIX}:tenant:{tenant}:requests:{second}"
 
 
 def all_for(job_id: str) -> list[str]:
     """Every key a job owns (for expiry)."""
-    return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id)]
+    return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id), custom_ids(job_id)]

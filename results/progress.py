@@ -25,6 +25,7 @@ def decode(raw: dict) -> dict[str, Any]:
     out["priority"] = d.get("priority", "normal")
     out["error"] = d.get("error") or None
     out["run_at"] = d.get("run_at") or None
+    out["model"] = d.get("model") or None  # the worker's, written when it starts the job
     return out
 
 

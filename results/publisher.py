@@ -13,10 +13,14 @@ from collections import Counter, defaultdict
 
 from . import events, keys, progress, store
 
-# KEYS: closed, stream, then the other keys to expire. ARGV: ttl, status, field, value, ...
+# KEYS: closed, stream, results, info, cancel, custom_ids (all expired). ARGV: ttl, status, field, value, ...
+# A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
+# counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
 _CLOSE = """
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+local slot = redis.call('HGET', KEYS[4], 'slot')
+if slot then redis.call('DECR', slot) end
 for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return id
 """
@@ -45,19 +49,19 @@ class Batch:
         self.pipe.xadd(keys.stream(job_id), events.attempt(number, worker))
 
     def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int],
-              logprobs: list[dict] | None = None) -> None:
+              logprobs: list[dict] | None = None, custom_id: str | None = None) -> None:
         self.jobs.add(job_id)
-        self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids, logprobs))
+        self.pipe.xadd(keys.stream(job_id), events.delta(index, sample, text, token_ids, logprobs, custom_id))
 
     def final(self, job_id: str, index: int, sample: int, text_delta: str, ids_delta: list[int],
-              record: dict, item_done: bool, item_failed: bool) -> None:
+              record: dict, item_done: bool, item_failed: bool, custom_id: str | None = None) -> None:
         self.jobs.add(job_id)
         store.put(self.pipe, job_id, index, sample, record)
         progress.count_sample(self.counts[job_id], record, item_done, item_failed)
         if record["finish_reason"] == "error":
-            entry = events.error(index, sample, record["error"] or "error")
+            entry = events.error(index, sample, record["error"] or "error", custom_id)
         else:
-            entry = events.final(index, sample, text_delta, ids_delta, record)
+            entry = events.final(index, sample, text_delta, ids_delta, record, custom_id)
         self.pipe.xadd(keys.stream(job_id), entry)
 
     def status(self, job_id: str, value: str, **extra) -> None:
@@ -106,7 +110,7 @@ def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     fields = events.status(status, **extra)
     argv = [ttl, status] + [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
-          keys.cancel(job_id)]
+          keys.cancel(job_id), keys.custom_ids(job_id)]
     return [len(ks), *ks, *argv]
 
 

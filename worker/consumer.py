@@ -3,8 +3,8 @@
 rq's fork-per-job execution does not fit a GPU that must batch requests from several
 jobs, so `Consumer` registers as an rq worker but runs its own loop:
 
-    tick   heartbeats (worker, and each running job's execution, which also tells whether a
-           job was reaped meanwhile), reaping (jobs whose worker died), run_at scheduling,
+    tick   heartbeats (worker, its model's entry in the served models, and each running
+           job's execution, which also tells whether a job was reaped meanwhile), reaping (jobs whose worker died), run_at scheduling,
            rq's registry maintenance, timeouts
     admit  while the engine has room: dequeue (high, normal, low priority), mark the job
            started in rq, add its unfinished items to the engine under the job id
@@ -32,6 +32,7 @@ are not recomputed, and the rest are regenerated with the same seed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -60,6 +61,8 @@ from results import events, keys, progress, publisher, store
 from results.publisher import Batch
 
 from .engine import Engine, EngineError
+from .logs import JobLog, about
+from .metrics import WorkerMetrics
 from .settings import Settings
 from .spec import QUEUE_ORDER, JobSpec
 
@@ -100,17 +103,26 @@ class Active:
     streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
     steps: int = 0
     max_batch_jobs: int = 0
+    custom_ids: list[str | None] | None = None  # per item, for its stream entries
+
+    def custom_id(self, index: int) -> str | None:
+        return self.custom_ids[index] if self.custom_ids else None
 
 
 class Consumer(BaseWorker):
     def __init__(self, engine: Engine, connection, settings: Settings, queues=None,
-                 name: str | None = None, drain_timeout: float = 30.0, delta_interval: float = 0.1):
+                 name: str | None = None, drain_timeout: float = 30.0, delta_interval: float = 0.1,
+                 model: str = "model"):
         # Connection errors come to this loop, which knows whether a write may be sent again;
         # redis-py's own retries would send a transaction again whose reply was lost.
         connection.set_retry(Retry(NoBackoff(), 0))
         super().__init__(queues or QUEUE_ORDER, name=name, connection=connection,
                          serializer=JSONSerializer, default_result_ttl=settings.result_ttl)
         self.engine = engine
+        self.metrics = WorkerMetrics(self.name)
+        self.metrics.watch(self)
+        self.model = model  # the name it serves under: GET /v1/models, a request's `model`, job status
+        self._model_since = int(time.time())
         self.settings = settings
         self.drain_timeout = drain_timeout
         self.heartbeat_ttl = settings.heartbeat_ttl
@@ -151,6 +163,7 @@ class Consumer(BaseWorker):
     def run(self, burst: bool = False) -> None:
         """Work until SIGTERM / SIGINT (or, with burst, until the queues are empty)."""
         self.bootstrap()
+        self.retrying(self.beat)  # the model is listed before this worker says it is ready
         self.set_state(WorkerStatus.IDLE)
         self._install_signal_handlers()
         try:
@@ -160,6 +173,7 @@ class Consumer(BaseWorker):
                     break
                 if not ready:
                     continue
+                t = time.perf_counter()
                 try:
                     events = self.engine.step()
                 except EngineError:
@@ -167,10 +181,12 @@ class Consumer(BaseWorker):
                     # failed item): the engine's state is in doubt. Fail the jobs (retried if
                     # they have retries left) and exit; a supervisor restarts the worker.
                     exc = traceback.format_exc()
-                    log.error("engine step failed; exiting:\n%s", exc)  # the CLI says only its last line
+                    log.error("engine step failed; exiting:\n%s", exc,  # the CLI says only its last line
+                              extra={"job_ids": list(self.active)})
                     for a in list(self.active.values()):
                         self.fail(a, exc, abort=False)
                     raise
+                self.metrics.step_seconds.observe(time.perf_counter() - t)
                 if self.publish(events) and not self._stop_requested:
                     self.guard(self.admit, False)  # jobs are waiting: join them to the batch
         finally:
@@ -267,6 +283,7 @@ class Consumer(BaseWorker):
         persistence), the running jobs are dropped here: they resume from what Redis kept
         once their executions expire."""
         delay, since = 0.25, time.monotonic()
+        self.metrics.redis_outages.inc()
         while True:
             if self._stop_requested and self._drain_until is not None and time.monotonic() >= self._drain_until:
                 # No hand-back without Redis: the jobs are retried elsewhere once their
@@ -284,6 +301,7 @@ class Consumer(BaseWorker):
             except REDIS_DOWN as e:
                 error, delay = e, min(delay * 2, MAX_BACKOFF)
         log.warning("redis is back after %.1fs; resuming", time.monotonic() - since)
+        self.metrics.redis_outage_seconds.inc(time.monotonic() - since)
         self._next_beat = 0.0
         seen = as_text(seen) if seen is not None else None
         if seen is not None and seen == self._sending:
@@ -354,7 +372,8 @@ class Consumer(BaseWorker):
         registry = job.started_job_registry.key
         while True:
             try:
-                transition()
+                with about(job.id):  # rq's own lines about the job get its id too
+                    transition()
             except REDIS_DOWN as e:
                 self.wait_for_redis(e)
             if self.retrying(self.connection.zscore, registry, execution.composite_key) is None:
@@ -377,6 +396,8 @@ class Consumer(BaseWorker):
             self.heartbeat(pipeline=pipe)
             for a in actives:
                 a.execution.heartbeat(a.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
+            pipe.hset(keys.models(), self.model, json.dumps(
+                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl}))
             answers = pipe.execute()
         if answers[len(actives)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:
@@ -385,7 +406,7 @@ class Consumer(BaseWorker):
                 pipe.execute()
         for a, score in zip(actives, answers):
             if score is None and a.job.id in self.active:
-                log.warning("job %s: reaped while this worker could not heartbeat it; dropped here", a.job.id)
+                JobLog(log, a.job.id).warning("reaped while this worker could not heartbeat it; dropped here")
                 self.drop(a)
 
     def drop(self, a: Active) -> None:
@@ -393,6 +414,7 @@ class Consumer(BaseWorker):
         self.engine.abort(a.job.id)
         self.executions.pop(a.execution.id, None)
         self._done(a)
+        self.metrics.attempt("dropped")
 
     def reap(self) -> None:
         """Retry, fail or cancel the jobs whose execution expired (their worker died or
@@ -405,7 +427,7 @@ class Consumer(BaseWorker):
 
     def reap_one(self, queue: Queue, registry: str, entry: str) -> None:
         job_id, _ = parse_composite_key(entry)
-        with self.connection.pipeline() as pipe:
+        with self.connection.pipeline() as pipe, about(job_id):
             try:
                 # The owner's heartbeat writes the registry: watching it, a heartbeat (or
                 # another reaper) that comes meanwhile voids this transaction.
@@ -446,7 +468,8 @@ class Consumer(BaseWorker):
                 batch.send(pipe)
             except WatchError:
                 return  # the next round looks again
-        log.warning("job %s: worker %s stopped sending heartbeats; job %s", job_id, job.worker_name, outcome)
+        JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", job.worker_name, outcome)
+        self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
 
     # -- one job's lifecycle -----------------------------------------------------------
 
@@ -484,7 +507,7 @@ class Consumer(BaseWorker):
     def start(self, job: Job, queue: Queue) -> None:
         execution = self.claim(job, queue)
         if execution is None:
-            log.info("job %s: not queued any more; skipped", job.id)
+            JobLog(log, job.id).info("not queued any more; skipped")
             return
         try:
             spec = JobSpec.model_validate(job.kwargs["spec"])
@@ -496,14 +519,14 @@ class Consumer(BaseWorker):
         job_id = job.id
         skip = self.retrying(store.finished, self.connection, job_id)
         attempt = int(self.retrying(self.connection.hget, keys.info(job_id), "attempt") or 0) + 1
-        a = Active(job, queue, execution, left={}, skip=skip, remaining=0,
+        a = Active(job, queue, execution, left={}, skip=skip, remaining=0, custom_ids=spec.custom_ids,
                    deadline=time.monotonic() + (job.timeout if job.timeout and job.timeout > 0 else 1e12))
         self.active[job_id] = a
-        log.info("job %s: attempt %d, %d items, %d samples stored before", job_id, attempt,
-                 len(ns), len(skip))
+        JobLog(log, job_id).info("attempt %d, %d items, %d samples stored before", attempt, len(ns),
+                                 len(skip))
 
         batch = Batch(self.connection)
-        batch.info(job_id, total=len(ns), samples=sum(ns))
+        batch.info(job_id, total=len(ns), samples=sum(ns), model=self.model)
         batch.expire(job_id, self.settings.job_timeout + self.settings.result_ttl)
         batch.attempt(job_id, attempt, self.name)
         batch.status(job_id, "running")
@@ -557,8 +580,10 @@ class Consumer(BaseWorker):
         a.remaining -= 1
         if rec["finish_reason"] == "error":
             a.failed_items.add(index)
+        self.metrics.sample(rec["finish_reason"], rec["usage"])
         batch.final(a.job.id, index, sample, text_delta, ids_delta or [], rec,
-                    item_done=a.left[index] == 0, item_failed=index in a.failed_items)
+                    item_done=a.left[index] == 0, item_failed=index in a.failed_items,
+                    custom_id=a.custom_id(index))
 
     def publish(self, events: list) -> bool:
         """One step's events -> one Redis transaction, which also reads the cancel flags and
@@ -584,7 +609,7 @@ class Consumer(BaseWorker):
             if not ev.finished:
                 if key not in a.streaming:  # a sample's first tokens go out at once
                     a.streaming.add(key)
-                    batch.delta(a.job.id, ev.index, ev.sample, text, ids, lps)
+                    batch.delta(a.job.id, ev.index, ev.sample, text, ids, lps, a.custom_id(ev.index))
                 elif text or ids:
                     a.pending[key] = (text, ids, lps)
                 continue
@@ -600,7 +625,7 @@ class Consumer(BaseWorker):
             self._next_flush = t + self.delta_interval
             for a in self.active.values():
                 for (index, sample), (text, ids, lps) in a.pending.items():
-                    batch.delta(a.job.id, index, sample, text, ids, lps)
+                    batch.delta(a.job.id, index, sample, text, ids, lps, a.custom_id(index))
                 a.pending.clear()
                 self._batching(batch, a)
         ids = list(self.active)
@@ -652,7 +677,8 @@ class Consumer(BaseWorker):
         if self.end(job, a.execution, transition) == JobStatus.FINISHED:
             self.retrying(publisher.close, self.connection, job.id, "succeeded", self.settings.result_ttl,
                           **counts)
-            log.info("job %s: succeeded (%s)", job.id, counts)
+            JobLog(log, job.id).info("succeeded (%s)", counts)
+            self.metrics.attempt("succeeded")
 
     def fail(self, a: Active, exc_string: str, retry: bool = True, abort: bool = True) -> None:
         """Abort the job's requests and fail this attempt (rq retries it if it has retries
@@ -678,12 +704,14 @@ class Consumer(BaseWorker):
         if status == JobStatus.FAILED:
             self.retrying(publisher.close, self.connection, job.id, "failed", self.settings.result_ttl,
                           error=message, **self.retrying(self._counts, job.id))
-            log.warning("job %s: failed: %s", job.id, message)
+            JobLog(log, job.id).warning("failed: %s", message)
+            self.metrics.attempt("failed")
         elif status in (JobStatus.QUEUED, JobStatus.SCHEDULED):
             batch = Batch(self.connection)
             batch.status(job.id, "queued", error=message)
             self.retrying(batch.send)
-            log.warning("job %s: attempt failed, retrying: %s", job.id, message)
+            JobLog(log, job.id).warning("attempt failed, retrying: %s", message)
+            self.metrics.attempt("retried")
         if not self.active:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
@@ -709,7 +737,8 @@ class Consumer(BaseWorker):
         if self.end(job, a.execution, transition) == JobStatus.CANCELED:
             self.retrying(publisher.close, self.connection, job.id, "canceled", self.settings.result_ttl,
                           **self.retrying(self._counts, job.id))
-            log.info("job %s: canceled, %d requests aborted", job.id, n)
+            JobLog(log, job.id).info("canceled, %d requests aborted", n)
+            self.metrics.attempt("canceled")
 
     def hand_back(self, a: Active, reason: str = "worker shut down; job handed back") -> None:
         """Requeue the job at the front, as if never started (no retry used)."""
@@ -727,4 +756,5 @@ class Consumer(BaseWorker):
                 pipe.execute()
 
         self.end(job, a.execution, transition)
-        log.info("job %s: handed back to queue %s", job.id, a.queue.name)
+        JobLog(log, job.id).info("handed back to queue %s", a.queue.name)
+        self.metrics.attempt("handed_back")

@@ -36,6 +36,11 @@ class Settings:
     heartbeat_ttl: int = 30
     # An idle SSE connection gets a comment this often (seconds); proxies keep it open.
     sse_keepalive: int = 15
+    # OpenAI batches: requests per input file and its size (OpenAI's limits), and how long
+    # `completion_window: "24h"` lasts here (seconds; lines not done by then expire).
+    batch_max_requests: int = 50_000
+    batch_max_file_bytes: int = 200 * 1024 * 1024
+    batch_window: int = 24 * 3600
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -51,4 +56,7 @@ class Settings:
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
             heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
+            batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
+            batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),
+            batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),
         )

@@ -24,6 +24,7 @@ JOB_FUNC = "worker.consumer.fanout_job"
 Kind = Literal["prompts", "input_ids", "messages"]
 KINDS: tuple[str, ...] = ("prompts", "input_ids", "messages")
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+CustomId = Annotated[str, Field(min_length=1, max_length=512)]
 
 
 class Strict(BaseModel):
@@ -41,6 +42,9 @@ class JobInput(Strict):
     prompts: list[NonEmptyStr] | None = Field(None, min_length=1)
     input_ids: list[Annotated[list[TokenId], Field(min_length=1)]] | None = Field(None, min_length=1)
     messages: list[Annotated[list[Message], Field(min_length=1)]] | None = Field(None, min_length=1)
+    custom_ids: list[CustomId | None] | None = Field(None, description=(
+        "one per item (null for an item without one), unique within the job: returned with "
+        "the item's results and on every stream entry of the item"))
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -48,6 +52,12 @@ class JobInput(Strict):
         if len(given) != 1:
             raise ValueError("prompts / input_ids / messages: give exactly one of them"
                              + (f" (got {', '.join(given)})" if given else ""))
+        if self.custom_ids is not None:
+            if len(self.custom_ids) != self.size:
+                raise ValueError(f"custom_ids: {len(self.custom_ids)} for {self.size} items")
+            named = [c for c in self.custom_ids if c is not None]
+            if len(set(named)) != len(named):
+                raise ValueError("custom_ids: must be unique within the job")
         return self
 
     @property
@@ -61,6 +71,9 @@ class JobInput(Strict):
     @property
     def size(self) -> int:
         return len(self.items)
+
+    def custom_id(self, index: int) -> str | None:
+        return self.custom_ids[index] if self.custom_ids else None
 
 
 class JobSpec(JobInput):

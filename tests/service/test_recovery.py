@@ -163,3 +163,49 @@ def test_a_live_workers_jobs_are_never_reaped(service):
     assert es[-1]["status"] == "canceled"
     assert not [e for e in entries(r, job) if e["type"] == "attempt" and e["attempt"] > 1]
     assert not [e for e in entries(r, job) if e.get("status") == "queued" and e.get("error")], "reaped"
+
+
+def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, engine):
+    """kill -9 of three workers in turn, each mid-job (a job with 3 retries): every sample is
+    final exactly once, nothing stored is recomputed, and the outputs equal an uninterrupted
+    run; each attempt starts within the TTL (4 s here) plus a few seconds of its kill."""
+    r = service["redis"]
+    for w in service["live"]:  # only the workers this test starts and kills
+        if w.proc and w.proc.alive():
+            w.stop()
+    params = [{**LONG, "max_new_tokens": 4 + 6 * i} for i in range(32)]  # items end one by one
+    prompts = [f"line {i}: a job that dies three times" for i in range(32)]
+    job = jobs.submit(r, JobRequest(prompts=prompts, sampling_params=params, seed=11),
+                      Settings(result_ttl=3600, job_retries=3))["id"]
+    ttl = {"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)}
+    kills = []
+    for k, stored in enumerate((6, 14, 22)):
+        w = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)
+        w.start()
+        wait_for(lambda: r.hlen(keys.results(job)) >= stored, 90, f"{stored} samples stored", interval=0.01)
+        w.stop(signal.SIGKILL)
+        kills.append((time.time(), r.hlen(keys.results(job))))
+        assert kills[-1][1] < 32, f"the kill must land mid-job: {kills}"
+    last = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)
+    last.start()
+    try:
+        follow = list(reader.follow(r, job, timeout=90))
+    finally:
+        last.stop()
+    assert follow[-1][1]["status"] == "succeeded"
+    es = entries(r, job)
+    attempts = [k for k, e in enumerate(es) if e["type"] == "attempt"]
+    assert len(attempts) == 4
+    finals = Counter((e["index"], e["sample"]) for e in es if e["type"] == "final")
+    assert len(finals) == 32 and set(finals.values()) == {1}
+    # Each attempt regenerates only what was not stored when its predecessor died.
+    for a, (killed_at, stored) in zip(attempts[1:], kills):
+        done_before = {(e["index"], e["sample"]) for e in es[:a] if e["type"] == "final"}
+        assert len(done_before) == stored
+        assert at(r, job, a) - killed_at < LIVE_TTL + 10, "an attempt started late"
+    redone = [(e["index"], e["sample"]) for e in es[attempts[1]:] if e["type"] == "final"]
+    assert len(redone) == len(set(redone))
+    ref = engine.generate(prompts=prompts, sampling_params=[SamplingParams(**p) for p in params], seed=11)
+    got = {(it["index"], s["sample"]): s["token_ids"]
+           for it in Client(service["api"]).results(job) for s in it["samples"]}
+    assert got == {(it.index, j): s.token_ids for it in ref for j, s in enumerate(it.samples)}

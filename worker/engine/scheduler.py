@@ -65,6 +65,7 @@ class Scheduler:
         self.num_retractions = 0
         self.prefill_tokens_total = 0  # tokens run through prefill (warm-up savings show here)
         self.decode_tokens_total = 0
+        self.failed_steps = 0  # steps whose forward raised (isolated, or an EngineError)
 
     def add(self, req: Req) -> None:
         self.by_rid[req.rid] = req
@@ -251,6 +252,7 @@ class Scheduler:
         engine's: the step is undone (its slots freed) and EngineError raised."""
         log.warning("engine step of %d requests failed (%s: %s); isolating the cause",
                     len(batch.reqs), type(exc).__name__, exc)
+        self.failed_steps += 1
         failed: list[tuple[Req, Exception]] = []
         todo = [(batch, exc)]
         while todo:

@@ -2,7 +2,7 @@
 
 Reads config.json (both the transformers 4 layout, with `rope_theta` / `rope_scaling` at the top
 level, and the transformers 5 layout, with everything under `rope_parameters`) and the eos ids
-from generation_config.json.
+from generation_config.json. gguf.py fills the same fields from a GGUF file's metadata.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint (safetensors, single file or sharded) into CausalLM.
+"""Load a checkpoint into CausalLM: a Hugging Face folder (safetensors, single file or
+sharded) or a GGUF file (gguf.py).
 
 The model is built on the "meta" device and its parameters are then assigned tensors read
 straight from the checkpoint in the requested dtype and device, so no throwaway random init
@@ -6,13 +7,15 @@ and no second copy of the weights is made.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 from safetensors import safe_open
 
+from . import gguf
 from .config import ModelConfig
 from .llama import CausalLM
 
@@ -25,11 +28,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 
 def resolve_model_path(path: str) -> str:
-    """A local folder as is; anything else is taken as a Hub id and downloaded (needs network)."""
-    if os.path.isdir(path):
+    """A local folder or GGUF file as is; anything else is taken as a Hub id and downloaded
+    (needs network)."""
+    if os.path.isdir(path) or gguf.is_gguf(path):
         return path
     if os.path.exists(path):
-        raise ValueError(f"model path {path!r} is a file; expected a model folder")
+        raise ValueError(f"model path {path!r} is a file; expected a model folder or a .gguf file")
+    if path.endswith(".gguf"):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:  # not org/name
         raise FileNotFoundError(f"model folder {path!r} does not exist")
     from huggingface_hub import snapshot_download
@@ -54,26 +60,22 @@ def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
 
 def load_model(path: str, dtype="auto", device="cpu") -> tuple[CausalLM, ModelConfig]:
     path = resolve_model_path(path)
-    cfg = ModelConfig.from_dir(path)
-    dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
-    weight_map = _weight_map(path)
-    with torch.device("meta"):
-        model = CausalLM(cfg, device=device)
-    expected = model.state_dict()  # meta tensors: names and shapes only
-    missing = sorted({src for name in expected for src in _sources(name) if src not in weight_map})
-    if missing:
-        raise ValueError(f"checkpoint in {path} is missing {len(missing)} weight(s): "
-                         f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
-    state = {}
-    with ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
-                 for f in sorted(set(weight_map.values()))}
+    with _checkpoint(path) as (cfg, tensors):
+        dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
+        with torch.device("meta"):
+            model = CausalLM(cfg, device=device)
+        expected = model.state_dict()  # meta tensors: names and shapes only
+        missing = sorted({src for name in expected for src in _sources(name) if src not in tensors})
+        if missing:
+            raise ValueError(f"checkpoint {path} is missing {len(missing)} weight(s): "
+                             f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+        state = {}
         for name, meta in expected.items():
-            parts = [files[weight_map[src]].get_tensor(src) for src in _sources(name)]
+            parts = [tensors[src]() for src in _sources(name)]
             w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if w.shape != meta.shape:
                 raise ValueError(f"checkpoint weight for {name!r} has shape {tuple(w.shape)}, "
-                                 f"config.json implies {tuple(meta.shape)}")
+                                 f"its config implies {tuple(meta.shape)}")
             state[name] = w.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
@@ -81,8 +83,26 @@ def load_model(path: str, dtype="auto", device="cpu") -> tuple[CausalLM, ModelCo
 
 
 def load_tokenizer(path: str):
+    path = resolve_model_path(path)
+    if gguf.is_gguf(path):
+        return gguf.load_tokenizer(path)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+@contextmanager
+def _checkpoint(path: str):
+    """(config, HF weight name -> function reading that tensor) of a GGUF file or a folder."""
+    if gguf.is_gguf(path):
+        yield gguf.load(path)
+        return
+    cfg = ModelConfig.from_dir(path)
+    weight_map = _weight_map(path)
+    with ExitStack() as stack:
+        files = {f: stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
+                 for f in sorted(set(weight_map.values()))}
+        yield cfg, {name: functools.partial(files[f].get_tensor, name)
+                    for name, f in weight_map.items()}
 
 
 def _sources(name: str) -> list[str]:

@@ -10,7 +10,9 @@ import math
 import torch
 from torch import nn
 
-ROPE_TYPES = ("default", "linear", "llama3")
+# "factors": per-frequency divisors given as a list, as llama.cpp stores Llama 3.1+ scaling in
+# GGUF files (gguf.py); the others are HF's.
+ROPE_TYPES = ("default", "linear", "llama3", "factors")
 
 
 def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -26,6 +28,8 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         return freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3(freq, scaling)
+    if rope_type == "factors":
+        return freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return freq
 
 

@@ -1,0 +1,126 @@
+"""The API's Prometheus metrics at /metrics: requests by route template (never a raw path:
+no job ids in labels) and status, their latency, and the jobs in Redis by queue and status,
+counted at each scrape.
+
+Under `fanout api --workers N` the uvicorn processes share a port, so a scrape reaches any
+one of them: each counts its requests in files under PROMETHEUS_MULTIPROC_DIR
+(prometheus-client's multiprocess mode, which `fanout api` sets up) and answers with the
+sum over all of them.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from rq import Queue
+from starlette.routing import compile_path
+
+from worker import logs
+from worker.spec import QUEUE_ORDER
+
+REQUESTS = Counter("fanout_api_requests", "HTTP requests by method, route template and status code",
+                   ["method", "route", "status"])
+LATENCY = Histogram("fanout_api_request_duration_seconds",
+                    "Seconds from a request to its response headers (an event stream's whole life "
+                    "would swamp the rest), by method and route template", ["method", "route"])
+METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+
+
+class RequestMetrics:
+    """ASGI middleware, outermost: it also sees the answers given before routing (a body
+    over the limit). It sets the log context's job id for the access line."""
+
+    def __init__(self, app, openapi):
+        self.app, self.openapi = app, openapi
+        self.paths = None  # the schema's path templates, compiled on first need
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status, took = 500, None  # no response started: the server error handler answers 500
+
+        async def send_metered(message):
+            nonlocal status, took
+            if message["type"] == "http.response.start":
+                status, took = message["status"], time.perf_counter() - start
+                logs.job_id.set(_job_id(scope, message))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_metered)
+        finally:
+            # Label values come from bounded sets only: templates, known methods.
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            route = self._route(scope)
+            REQUESTS.labels(method, route, str(status)).inc()
+            LATENCY.labels(method, route).observe(took if took is not None else time.perf_counter() - start)
+
+    def _route(self, scope) -> str:
+        route = getattr(scope.get("route"), "path", None)
+        if route is None:  # not routed (a body over the limit, an unknown path): match the schema
+            if self.paths is None:
+                self.paths = [(compile_path(p)[0], p) for p in self.openapi()["paths"]]
+            route = next((p for regex, p in self.paths if regex.match(scope["path"])), None)
+        return route or "unmatched"
+
+
+def _job_id(scope, start_message) -> str | None:
+    """The job a request concerns: its path names it, or (a submit) its Location does."""
+    jid = scope.get("path_params", {}).get("job_id")
+    if jid is None:
+        location = dict(start_message.get("headers", ())).get(b"location", b"")
+        if location.startswith(b"/v1/jobs/"):
+            jid = location.rsplit(b"/", 1)[1].decode()
+    return jid
+
+
+class Jobs:
+    """Jobs in Redis by queue and status, from rq's queue lists and registries, in one round
+    trip (LLEN and ZCARDs). Ended jobs stay counted until rq's maintenance drops their
+    expired entries (result TTL after their end)."""
+
+    STATUSES = ("scheduled", "running", "succeeded", "failed", "canceled")
+
+    def __init__(self, conn: redis.Redis):
+        self.conn = conn
+
+    def collect(self):
+        queues = [Queue(name, connection=self.conn) for name in QUEUE_ORDER]
+        try:
+            with self.conn.pipeline(transaction=False) as pipe:
+                for q in queues:
+                    pipe.llen(q.key)
+                    for reg in (q.scheduled_job_registry, q.started_job_registry, q.finished_job_registry,
+                                q.failed_job_registry, q.canceled_job_registry):
+                        pipe.zcard(reg.key)
+                counts = pipe.execute()
+        except redis.RedisError:
+            counts = None
+        yield GaugeMetricFamily("fanout_api_redis_up", "Whether this scrape reached Redis",
+                                value=int(counts is not None))
+        if counts is None:
+            return
+        jobs = GaugeMetricFamily("fanout_jobs", "Jobs in Redis by rq queue and status (status "
+                                 "queued: the queue's length)", labels=["queue", "status"])
+        per_queue = 1 + len(self.STATUSES)
+        for i, q in enumerate(queues):
+            for status, n in zip(("queued",) + self.STATUSES, counts[i * per_queue:(i + 1) * per_queue]):
+                jobs.add_metric([q.name, status], n)
+        yield jobs
+
+
+def exposition(conn: redis.Redis) -> bytes:
+    """The text of a scrape: this process's metrics (or, in multiprocess mode, every
+    process's) and the jobs in Redis."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(registry)
+    else:
+        registry.register(REGISTRY)
+    registry.register(Jobs(conn))
+    return generate_latest(registry)

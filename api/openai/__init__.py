@@ -1,0 +1,10 @@
+"""The OpenAI-compatible API: models, chat completions and completions (online, through
+the queue at high priority), files and batches (a batch is a native job underneath).
+Objects, names and errors are OpenAI's; extensions are documented in README."""
+from fastapi import APIRouter
+
+from . import batches, completions, files, models
+
+router = APIRouter(prefix="/v1")
+for module in (models, completions, files, batches):
+    router.include_router(module.router)

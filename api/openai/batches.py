@@ -1,0 +1,314 @@
+"""OpenAI batches. A batch is a native job underneath (same queue, workers, stream, retries
+and resume): its id is `batch_` + the job's id, one item per input line with the line's
+custom_id, so GET /v1/jobs/{job id}/events streams its lines' results as they are made.
+
+Lifecycle: creation validates the input file against the batch (`validating`) and submits
+the job (`in_progress`), or fails with `errors.data[]` naming the lines. Once the job has
+ended, the output and error files are written (`finalizing`) and the batch is `completed`,
+or `expired` (its window passed: the job was canceled; finished lines are in the output
+file, the others in the error file as batch_expired), `cancelled` (POST .../cancel:
+`cancelling` until the job has stopped; the same, as batch_cancelled) or `failed` (the job
+failed). Every API process moves open batches along once a second, and any read does too."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import anyio
+import redis as redis_lib
+from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import ValidationError
+from redis.exceptions import WatchError
+
+from results import keys, progress, store
+from worker.settings import Settings
+
+from .. import jobs
+from ..tenants import OverLimit
+from . import batchinput, bodies, files, models
+from .errors import ErrorOut, OpenAIError, from_validation, not_found
+from .schemas import Batch, BatchCreate, BatchList
+
+log = logging.getLogger("fanout.api")
+router = APIRouter()
+
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+STUCK = 600  # seconds: a batch still validating this long lost its API process meanwhile
+LOST = {"expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+        "cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
+        "failed": ("batch_failed", "This request was not executed: the batch failed.")}
+
+
+def _job_id(batch_id: str) -> str:
+    return batch_id.removeprefix("batch_")
+
+
+def _tenant_id(tenant) -> str | None:
+    return tenant.id if tenant else None
+
+
+def load(redis, batch_id: str) -> dict | None:
+    raw = redis.get(keys.batch(batch_id))
+    return json.loads(raw) if raw else None
+
+
+def _update(redis, batch_id: str, change, ttl: int) -> dict | None:
+    """Apply `change(record)` -> the fields to set (None: leave it) atomically. An ended batch
+    leaves the open set and expires `ttl` seconds later."""
+    key = keys.batch(batch_id)
+    with redis.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                raw = pipe.get(key)
+                record = json.loads(raw) if raw else None
+                fields = change(record) if record else None
+                if not fields:
+                    pipe.reset()
+                    return record
+                record.update(fields)
+                pipe.multi()
+                pipe.set(key, json.dumps(record))
+                if record["status"] not in OPEN:
+                    pipe.srem(keys.batches_open(), batch_id)
+                    pipe.expire(key, ttl)
+                pipe.execute()
+                return record
+            except WatchError:
+                continue
+
+
+def public(redis, record: dict) -> dict:
+    """The Batch object: the record without its internal fields; live counts while it runs."""
+    obj = {k: v for k, v in record.items() if not k.startswith("_")}
+    if record["status"] in ("in_progress", "cancelling"):
+        info = progress.read(redis, _job_id(record["id"]))
+        if info:
+            obj["request_counts"] = {"total": info["total"], "completed": info["done"] - info["failed"],
+                                     "failed": info["failed"]}
+    return obj
+
+
+def _owned(redis, batch_id: str, tenant) -> dict:
+    record = load(redis, batch_id)
+    if record is None or record["_tenant"] != _tenant_id(tenant):
+        raise not_found("batch", batch_id)
+    return record
+
+
+@router.post("/batches", response_model=Batch)
+def create(body: BatchCreate, request: Request):
+    """Validate the input file against the batch and start its job: the batch comes back
+    `in_progress`, or `failed` with the lines at fault in `errors.data`."""
+    st, tenant = request.app.state, request.state.tenant
+    redis, settings = st.redis, st.settings
+    f = files.get(redis, body.input_file_id, tenant)
+    if f["purpose"] != "batch":
+        raise OpenAIError(400, f"file {f['id']} has purpose {f['purpose']!r}, not 'batch'", "input_file_id")
+    job_id = jobs.new_id()
+    batch_id, now = "batch_" + job_id, int(time.time())
+    record = {"id": batch_id, "object": "batch", "endpoint": body.endpoint, "model": None, "errors": None,
+              "input_file_id": f["id"], "completion_window": body.completion_window, "status": "validating",
+              "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+              "expires_at": now + settings.batch_window, "finalizing_at": None, "completed_at": None,
+              "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None,
+              "metadata": body.metadata, "_tenant": _tenant_id(tenant)}
+    with redis.pipeline() as pipe:
+        pipe.set(keys.batch(batch_id), json.dumps(record))
+        pipe.zadd(keys.batches(_tenant_id(tenant)), {batch_id: now})
+        pipe.sadd(keys.batches_open(), batch_id)
+        pipe.execute()
+
+    def failed(errors: list[dict]) -> dict:
+        return _update(redis, batch_id, lambda r: {"status": "failed", "failed_at": int(time.time()),
+                                                   "errors": {"object": "list", "data": errors}}
+                       if r["status"] == "validating" else None, settings.result_ttl)
+
+    try:
+        lines = batchinput.parse(files.content(redis, f["id"], tenant), settings)
+        job = batchinput.job(lines, body.endpoint, set(models.served(redis)), priority=body.priority,
+                             run_at=body.run_at, metadata=body.metadata or {})
+        _update(redis, batch_id, lambda r: {"model": lines[0].body.model, "request_counts": {
+            "total": len(lines), "completed": 0, "failed": 0}}, settings.result_ttl)
+        jobs.submit(redis, job, settings, job_id=job_id, tenant=tenant)
+    except batchinput.Invalid as e:
+        return public(redis, failed([x.data() for x in e.errors]))
+    except ValidationError as e:  # the job's own checks (run_at before 1970)
+        error = from_validation(e.errors())
+        failed([{"code": "invalid_request", "line": None, "message": error.message, "param": error.param}])
+        raise error from None
+    except (HTTPException, OverLimit, OpenAIError) as e:  # the key's rights or limits; the file gone
+        failed([{"code": "rejected", "line": None, "message": str(getattr(e, "detail", e)), "param": None}])
+        raise
+    record = _update(redis, batch_id, lambda r: {"status": "in_progress", "in_progress_at": int(time.time())}
+                     if r["status"] == "validating" else None, settings.result_ttl)
+    if record["status"] != "in_progress":  # cancelled while validating: its job must not run
+        jobs.cancel(redis, job_id, settings)
+    return public(redis, advance(redis, settings, batch_id) or record)
+
+
+@router.get("/batches/{batch_id}", response_model=Batch)
+def retrieve(batch_id: str, request: Request):
+    st = request.app.state
+    _owned(st.redis, batch_id, request.state.tenant)
+    return public(st.redis, advance(st.redis, st.settings, batch_id))
+
+
+@router.get("/batches", response_model=BatchList)
+def list_batches(request: Request, after: str | None = Query(None), limit: int = Query(20, ge=1, le=100)):
+    """Your batches, newest first."""
+    redis = request.app.state.redis
+    key = keys.batches(_tenant_id(request.state.tenant))
+    start = 0
+    if after is not None:
+        rank = redis.zrevrank(key, after)
+        if rank is None:
+            raise not_found("batch", after)
+        start = rank + 1
+    ids = [i.decode() for i in redis.zrange(key, start, start + limit, desc=True)]
+    records = [json.loads(r) if r else None for r in redis.mget([keys.batch(i) for i in ids])] if ids else []
+    gone = [i for i, r in zip(ids, records) if r is None]
+    if gone:  # expired; the page may come out short, has_more still tells
+        redis.zrem(key, *gone)
+    data = [public(redis, r) for r in records[:limit] if r]
+    return {"data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+            "has_more": len(ids) > limit}
+
+
+@router.post("/batches/{batch_id}/cancel", response_model=Batch, responses={
+    409: {"model": ErrorOut, "description": "the batch has ended"}})
+def cancel(batch_id: str, request: Request):
+    """`cancelling` until the job has stopped, then `cancelled`; finished lines are kept."""
+    st = request.app.state
+    record = _owned(st.redis, batch_id, request.state.tenant)
+    if record["status"] not in OPEN:
+        raise OpenAIError(409, f"Cannot cancel a batch with status {record['status']}")
+    _update(st.redis, batch_id, lambda r: {"status": "cancelling", "cancelling_at": int(time.time())}
+            if r["status"] in ("validating", "in_progress") else None, st.settings.result_ttl)
+    return public(st.redis, advance(st.redis, st.settings, batch_id))
+
+
+# -- moving batches along ----------------------------------------------------------------
+
+def advance(redis, settings: Settings, batch_id: str) -> dict | None:
+    """One look at an open batch: expire or cancel its job when due, and once the job has
+    ended write the output and error files (one API process at a time). Returns the record."""
+    record = load(redis, batch_id)
+    if record is None or record["status"] not in OPEN:
+        return record
+    job_id, now = _job_id(batch_id), time.time()
+    try:
+        status, _ = jobs.status_of(redis, job_id)
+    except jobs.JobNotFound:
+        status = None  # not submitted (yet), or expired
+    if record["status"] == "validating":
+        if now - record["created_at"] < STUCK:
+            return record  # the creating request is still at it
+        # Its API process stopped midway: before the job was submitted, or after.
+        fields = {"status": "in_progress", "in_progress_at": int(now)} if status else {
+            "status": "failed", "failed_at": int(now), "errors": {"object": "list", "data": [
+                {"code": "interrupted", "line": None, "message": "validation was interrupted", "param": None}]}}
+        return _update(redis, batch_id, lambda r: fields if r["status"] == "validating" else None,
+                       settings.result_ttl)
+    ended = status in ("succeeded", "failed", "canceled") or status is None
+    if not ended and (record["status"] == "cancelling" or now >= record["expires_at"]):
+        if record["status"] == "in_progress":
+            record = _update(redis, batch_id, lambda r: None if r.get("_expiring") else {"_expiring": True},
+                             settings.result_ttl)
+        jobs.cancel(redis, job_id, settings)  # a running job stops within one engine step
+        return record
+    if not ended or not redis.set(keys.batch_lock(batch_id), 1, nx=True, ex=600):
+        return record
+    try:
+        return _finalize(redis, settings, batch_id, status)
+    finally:
+        redis.delete(keys.batch_lock(batch_id))
+
+
+def _ending(record: dict, job_status: str | None) -> str:
+    if job_status == "succeeded":
+        return "completed"
+    if record.get("_expiring"):
+        return "expired"
+    if record["status"] == "cancelling" or job_status == "canceled":
+        return "cancelled"
+    return "failed"
+
+
+def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None) -> dict:
+    record = _update(redis, batch_id, lambda r: {"status": "finalizing", "finalizing_at": int(time.time()),
+                                                 "_ending": _ending(r, job_status)}
+                     if r["status"] in ("in_progress", "cancelling") else None, settings.result_ttl)
+    if record["status"] != "finalizing":
+        return record  # another process finalized it meanwhile
+    ending, job_id = record["_ending"], _job_id(batch_id)
+    output, errors, usage = _lines(redis, record, ending)
+    done = {"status": ending, f"{ending}_at": int(time.time()),
+            "request_counts": {"total": record["request_counts"]["total"], "completed": len(output),
+                               "failed": sum(1 for e in errors if e["response"])},
+            "usage": {"input_tokens": usage["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}}
+    tenant_id = record["_tenant"]
+    for field, lines, name in (("output_file_id", output, "output"), ("error_file_id", errors, "error")):
+        if lines:
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            done[field] = files.save(redis, data, f"{batch_id}_{name}.jsonl", "batch_output", tenant_id,
+                                     settings.result_ttl)["id"]
+    if ending == "failed":
+        info = progress.read(redis, job_id)
+        done["errors"] = {"object": "list", "data": [{"code": "job_failed", "line": None, "param": None,
+                                                      "message": (info or {}).get("error") or "the batch's job failed"}]}
+    return _update(redis, batch_id, lambda r: done if r["status"] == "finalizing" else None, settings.result_ttl)
+
+
+def _lines(redis, record: dict, ending: str) -> tuple[list[dict], list[dict], dict]:
+    """(output lines, error lines, usage summed over the output) from the job's stored samples."""
+    job_id = _job_id(record["id"])
+    chat = record["endpoint"] == "/v1/chat/completions"
+    make = bodies.chat_completion if chat else bodies.text_completion
+    info = progress.read(redis, job_id)
+    ns, created = (info["ns"] if info else []), int(time.time())
+    output, errors, answered = [], [], []
+    for offset in range(0, len(ns), 1000):
+        for item in store.page(redis, job_id, ns, offset, 1000):
+            i, samples = item["index"], item["samples"]
+            line = {"id": f"batch_req_{job_id}_{i}", "custom_id": item["custom_id"]}
+            request_id = f"req_{job_id}_{i}"
+            bad = next((s for s in samples if s["finish_reason"] == "error"), None)
+            if bad is not None:
+                body = OpenAIError(400, bad["error"] or "error", code="invalid_prompt").body()
+                errors.append({**line, "response": {"status_code": 400, "request_id": request_id, "body": body},
+                               "error": None})
+            elif len(samples) == ns[i]:
+                body = make(f"{'chatcmpl' if chat else 'cmpl'}-{job_id}-{i}", created, record["model"], [samples])
+                output.append({**line, "response": {"status_code": 200, "request_id": request_id, "body": body},
+                               "error": None})
+                answered.append(samples)
+            else:
+                code, message = LOST[ending if ending in LOST else "failed"]
+                errors.append({**line, "response": None, "error": {"code": code, "message": message}})
+    return output, errors, bodies.usage(answered)
+
+
+async def sweep(state) -> None:
+    """Every API process, once a second: move the open batches along."""
+    while True:
+        await anyio.sleep(1.0)
+        try:
+            await anyio.to_thread.run_sync(_sweep_once, state.redis, state.settings)
+        except redis_lib.RedisError as e:
+            log.warning("batches: redis unavailable (%s); trying again", e)
+
+
+def _sweep_once(redis, settings: Settings) -> None:
+    for batch_id in redis.smembers(keys.batches_open()):
+        try:
+            advance(redis, settings, batch_id.decode())
+        except redis_lib.RedisError:
+            raise
+        except Exception:  # noqa: BLE001 - one bad batch must not hold up the others
+            log.exception("batches: %s could not be moved along", batch_id.decode())

@@ -1,0 +1,144 @@
+"""The batch input file: JSONL, one request per line, as OpenAI's
+`{"custom_id", "method": "POST", "url", "body"}`. Validated line by line at upload (every
+line must be a request we would run: custom_id unique, body valid for its url, within the
+limits), and turned into one native job at batch creation: one item per line, its own
+sampling parameters, its custom_id."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from worker.engine.sampling_params import SamplingParams
+from worker.settings import Settings
+from worker.spec import CustomId, Message
+
+from ..schemas import JobRequest
+from .errors import OpenAIError, param
+from .schemas import ChatCompletionRequest, CompletionRequest, Strict, sampling_params
+
+REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+MAX_ERRORS = 20  # reported per file
+
+
+class Line(Strict):
+    custom_id: CustomId
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Request:
+    line: int  # 1-based, as in errors.data[].line
+    custom_id: str
+    url: str
+    body: Any  # ChatCompletionRequest | CompletionRequest
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class LineError:
+    line: int | None
+    message: str
+    param: str | None = None
+    code: str = "invalid_request"
+
+    def data(self) -> dict:
+        return {"code": self.code, "line": self.line, "message": self.message, "param": self.param}
+
+
+class Invalid(Exception):
+    def __init__(self, errors: list[LineError]):
+        super().__init__("; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in errors))
+        self.errors = errors
+
+
+def parse(content: bytes, settings: Settings) -> list[Request]:
+    """Every line, validated; raises Invalid with the first MAX_ERRORS errors."""
+    out, errors, seen = [], [], set()
+    for n, raw in enumerate(content.splitlines(), 1):
+        if len(errors) >= MAX_ERRORS:
+            break
+        if not raw.strip():
+            continue
+        try:
+            line = Line.model_validate(json.loads(raw))
+        except ValidationError as e:
+            errors.append(_error(n, e, ""))
+            continue
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            errors.append(LineError(n, f"not a JSON object: {e}", code="invalid_json"))
+            continue
+        try:
+            body = REQUESTS[line.url].model_validate(line.body)
+        except ValidationError as e:
+            errors.append(_error(n, e, "body."))
+            continue
+        if line.custom_id in seen:
+            errors.append(LineError(n, f"custom_id {line.custom_id!r} is used by an earlier line", "custom_id",
+                                    "duplicate_custom_id"))
+            continue
+        seen.add(line.custom_id)
+        try:
+            out.append(Request(n, line.custom_id, line.url, body, _params(body, settings)))
+        except OpenAIError as e:
+            errors.append(LineError(n, e.message, e.param and f"body.{e.param}"))
+    if len(out) + len(errors) > settings.batch_max_requests:
+        errors.append(LineError(None, f"{len(out) + len(errors)} requests, over the limit of "
+                                      f"{settings.batch_max_requests} (FANOUT_BATCH_MAX_REQUESTS)", code="too_many_requests"))
+    if not out and not errors:
+        errors.append(LineError(None, "the file has no requests", code="empty_file"))
+    if errors:
+        raise Invalid(errors)
+    return out
+
+
+def _error(n: int, e: ValidationError, prefix: str) -> LineError:
+    err = e.errors()[0]
+    name = prefix + (param(err["loc"]) or "") or None
+    code = "unsupported_parameter" if err["type"] == "extra_forbidden" else "invalid_request"
+    return LineError(n, f"{name}: {err['msg']}" if name else err["msg"], name, code)
+
+
+def _params(body, settings: Settings) -> SamplingParams:
+    """The line's sampling parameters; OpenAIError for what a line may not ask here."""
+    if body.stream:
+        raise OpenAIError(400, "stream: not in a batch (its lines stream on the job's events)", "stream")
+    if isinstance(body, CompletionRequest) and not (isinstance(body.prompt, str) or isinstance(body.prompt[0], int)):
+        raise OpenAIError(400, "prompt: one prompt per line (a text or a list of token ids)", "prompt")
+    return sampling_params(body, settings)
+
+
+def job(requests: list[Request], endpoint: str, served: set[str], **fields) -> JobRequest:
+    """The native job of a batch: one item per line. Raises Invalid when a line does not fit
+    the batch (another url, a model not served, mixed kinds of prompt)."""
+    errors = []
+    models = {r.body.model for r in requests}
+    for r in requests:
+        if r.url != endpoint:
+            errors.append(LineError(r.line, f"url {r.url} is not the batch's endpoint {endpoint}", "url",
+                                    "mismatched_endpoint"))
+        elif r.body.model not in served:
+            errors.append(LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)",
+                                    "body.model", "model_not_found"))
+        elif len(models) > 1:
+            errors.append(LineError(r.line, f"every line must name the same model ({len(models)} named)",
+                                    "body.model", "mismatched_model"))
+        if len(errors) >= MAX_ERRORS:
+            break
+    if errors:
+        raise Invalid(errors)
+    if endpoint == "/v1/chat/completions":
+        items = {"messages": [[Message(role=m.role, content=m.text()) for m in r.body.messages] for r in requests]}
+    elif all(isinstance(r.body.prompt, str) for r in requests):
+        items = {"prompts": [r.body.prompt for r in requests]}
+    elif all(isinstance(r.body.prompt, list) for r in requests):
+        items = {"input_ids": [r.body.prompt for r in requests]}
+    else:
+        raise Invalid([LineError(None, "prompts must be all texts or all token ids in one batch", "body.prompt",
+                                 "mixed_prompts")])
+    return JobRequest(**items, custom_ids=[r.custom_id for r in requests],
+                      sampling_params=[r.params for r in requests], **fields)

@@ -1,0 +1,76 @@
+"""OpenAI's response bodies built from our sample records (results.store.sample_record: the
+stored samples and the stream's final entries have that shape): `chat.completion` and
+`text_completion` objects, their streamed chunks, usage and logprobs. The online routes
+and the batch output files both use them."""
+from __future__ import annotations
+
+from .schemas import ChatCompletion, Completion
+
+
+def usage(items: list[list[dict]]) -> dict:
+    """Each item's prompt counts once, whatever its number of samples (as OpenAI counts n)."""
+    first = [samples[0]["usage"] for samples in items if samples]
+    prompt = sum(u["prompt_tokens"] for u in first)
+    completion = sum(r["usage"]["completion_tokens"] for samples in items for r in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u["cached_tokens"] for u in first)}}
+
+
+def finish_reason(ours: str) -> str:
+    # "abort" (a canceled request) has no OpenAI name; it ends the text like a stop.
+    return "length" if ours == "length" else "stop"
+
+
+def _top(entry: dict) -> dict:
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": list(entry["token"].encode())}
+
+
+def chat_logprobs(records: list[dict] | None) -> dict | None:
+    """Our per-token records -> `logprobs.content` (None when not asked)."""
+    if records is None:
+        return None
+    return {"content": [{**_top(r), "top_logprobs": [_top(t) for t in r["top_logprobs"]]} for r in records],
+            "refusal": None}
+
+
+def legacy_logprobs(records: list[dict] | None, offset: int = 0) -> dict | None:
+    """Our per-token records -> the completions API's parallel lists; `text_offset` counts
+    characters of the choice's text from `offset` (what came before, when streamed)."""
+    if records is None:
+        return None
+    offsets = []
+    for r in records:
+        offsets.append(offset)
+        offset += len(r["token"])
+    return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in r["top_logprobs"]} for r in records],
+            "text_offset": offsets}
+
+
+def chat_completion(id: str, created: int, model: str, items: list[list[dict]]) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": r["text"], "refusal": None},
+                "logprobs": chat_logprobs(r["logprobs"]), "finish_reason": finish_reason(r["finish_reason"])}
+               for i, r in enumerate(r for samples in items for r in samples)]
+    return ChatCompletion(id=id, created=created, model=model, choices=choices, usage=usage(items)).model_dump()
+
+
+def text_completion(id: str, created: int, model: str, items: list[list[dict]]) -> dict:
+    choices = [{"index": i, "text": r["text"], "logprobs": legacy_logprobs(r["logprobs"]),
+                "finish_reason": finish_reason(r["finish_reason"])}
+               for i, r in enumerate(r for samples in items for r in samples)]
+    return Completion(id=id, created=created, model=model, choices=choices, usage=usage(items)).model_dump()
+
+
+def chat_chunk(id: str, created: int, model: str, index: int, delta: dict, logprobs: list[dict] | None = None,
+               finish: str | None = None) -> dict:
+    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                         "finish_reason": finish and finish_reason(finish)}]}
+
+
+def text_chunk(id: str, created: int, model: str, index: int, text: str, logprobs: list[dict] | None = None,
+               offset: int = 0, finish: str | None = None) -> dict:
+    return {"id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
+            "choices": [{"index": index, "text": text, "logprobs": legacy_logprobs(logprobs, offset),
+                         "finish_reason": finish and finish_reason(finish)}]}

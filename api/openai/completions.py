@@ -1,0 +1,201 @@
+"""POST /v1/chat/completions and /v1/completions: each request is a native job (one item
+per prompt) on the high-priority queue, so interactive requests pass batch work; the HTTP
+request waits on the job's stream. Streamed, every stream entry becomes OpenAI chunks at
+once; a retried attempt (its worker died) regenerates the same tokens from the same seed,
+and only what goes past the text already sent is sent. A client that goes away cancels
+its job."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from results import events, keys
+from results.reader import Rebuilder
+from worker.spec import Message
+
+from .. import jobs
+from ..schemas import JobRequest
+from ..submit import settle
+from . import bodies, models
+from .errors import ErrorOut, OpenAIError
+from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
+
+router = APIRouter()
+
+FAILED = {500: {"model": ErrorOut, "description": "the job failed (or was canceled through the job API)"}}
+
+
+def _ok(model) -> dict:
+    return {200: {"model": model, "description": "the object, or with `stream: true` server-sent chunks",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+@router.post("/chat/completions", response_model=None, responses={**_ok(ChatCompletion), **FAILED})
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    """A chat completion: the messages go through the model's chat template."""
+    chats = [[Message(role=m.role, content=m.text()) for m in req.messages]]
+    return await _serve(request, req, {"messages": chats}, "chatcmpl-")
+
+
+@router.post("/completions", response_model=None, responses={**_ok(Completion), **FAILED})
+async def completions(req: CompletionRequest, request: Request):
+    """A (legacy) completion: each prompt (text or token ids) is one item of the job."""
+    p = req.prompt
+    if isinstance(p, str):
+        items = {"prompts": [p]}
+    elif isinstance(p[0], str):
+        items = {"prompts": p}
+    elif isinstance(p[0], int):
+        items = {"input_ids": [p]}
+    else:
+        items = {"input_ids": p}
+    return await _serve(request, req, items, "cmpl-")
+
+
+async def _serve(request: Request, req, items: dict, prefix: str):
+    st, tenant = request.app.state, request.state.tenant
+    size = len(next(iter(items.values())))
+    if size > st.settings.max_batch:
+        raise OpenAIError(400, f"{size} prompts, over this server's limit of {st.settings.max_batch} "
+                               "(FANOUT_MAX_BATCH)", param="prompt", code="invalid_value")
+    await anyio.to_thread.run_sync(models.require, st.redis, req.model)
+    params = sampling_params(req, st.settings)
+    may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
+    job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal",
+                     metadata={"user": req.user} if req.user else {})
+    created = await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, tenant=tenant))
+    job_id = created["id"]
+    head = (prefix + job_id, int(time.time()), req.model)
+    chat = prefix == "chatcmpl-"
+    if not req.stream:
+        found = await _collect(_follow(st, job_id, request), size, params.n)
+        make = bodies.chat_completion if chat else bodies.text_completion
+        return JSONResponse(make(*head, found))
+    entries = _follow(st, job_id, None)  # StreamingResponse cancels the stream when the client goes
+    first = []
+    async for e in entries:  # up to the first output: a prompt that cannot run still gets its 400
+        first.append(e)
+        if e["type"] in (events.DELTA, events.FINAL, events.ERROR) or events.is_terminal(e):
+            break
+    last = first[-1] if first else {}
+    if last.get("type") == events.ERROR or (events.is_terminal(last) and last["status"] != "succeeded"):
+        await entries.aclose()  # cancels the rest of the job
+        raise _failure(last)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_chunks(chat, head, first, entries, size, params.n, include_usage),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _failure(entry: dict) -> OpenAIError:
+    if entry.get("type") == events.ERROR:
+        return OpenAIError(400, entry["error"], code="invalid_prompt")
+    return OpenAIError(500, f"the request's job {entry.get('status', 'ended')}: {entry.get('error') or 'no output'}",
+                       type="server_error")
+
+
+async def _follow(st, job_id: str, request: Request | None) -> AsyncIterator[dict]:
+    """The job's stream entries until its terminal status. Ended early (the client went
+    away: `request` says so between reads, or the caller closes this), the job is canceled."""
+    key, last, ended = keys.stream(job_id), "0", False
+    try:
+        while True:
+            resp = await st.aredis.xread({key: last}, count=1000, block=1000)
+            if request is not None and await request.is_disconnected():
+                return
+            if not resp:
+                if await anyio.to_thread.run_sync(settle, st, job_id) and not await st.aredis.xread({key: last}, count=1):
+                    ended = True
+                    return
+                continue
+            for raw_id, fields in resp[0][1]:
+                last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+                entry = events.decode(fields)
+                ended = events.is_terminal(entry)
+                yield entry
+                if ended:
+                    return
+    finally:
+        if not ended:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(jobs.cancel, st.redis, job_id, st.settings)
+
+
+def _record(entry: dict) -> dict:
+    return {"text": entry["text"], "finish_reason": entry["finish_reason"], "usage": entry["usage"],
+            "logprobs": entry.get("logprobs")}
+
+
+async def _collect(entries, size: int, n: int) -> list[list[dict]]:
+    """Every sample's record, by item; OpenAIError when one failed or the job did not succeed."""
+    found, end = {}, {}
+    try:
+        async for e in entries:
+            if e["type"] == events.FINAL:
+                found[(e["index"], e["sample"])] = _record(e)
+            elif e["type"] == events.ERROR:
+                raise _failure(e)
+            elif events.is_terminal(e):
+                end = e
+    finally:
+        await entries.aclose()  # after an error: cancels the rest of the job
+    if end.get("status") != "succeeded":
+        raise _failure(end)
+    return [[found[(i, j)] for j in range(n)] for i in range(size)]
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int, n: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    rebuilt, sent, finals = Rebuilder(), {}, {}
+    extra = {"usage": None} if include_usage else {}  # OpenAI: every chunk has it then, null
+    if chat:  # each choice opens with the assistant's role
+        for c in range(size * n):
+            yield _sse({**bodies.chat_chunk(*head, c, {"role": "assistant", "content": ""}), **extra})
+
+    async def every():
+        for e in first:
+            yield e
+        async for e in entries:
+            yield e
+
+    async for e in every():
+        rebuilt.apply(e)
+        kind = e["type"]
+        if kind == events.ERROR or (events.is_terminal(e) and e["status"] != "succeeded"):
+            yield _sse(_failure(e).body())  # the other samples go on, unless the job ended
+            if kind == events.ERROR:
+                continue
+            return
+        if kind not in (events.DELTA, events.FINAL):
+            continue
+        key = (e["index"], e["sample"])
+        out, (chars, tokens) = rebuilt.outputs[key], sent.get(key, (0, 0))
+        text = out.text[chars:]
+        lps = out.logprobs[tokens:] if out.logprobs is not None else None
+        finish = e["finish_reason"] if kind == events.FINAL else None
+        if kind == events.FINAL:
+            finals[key] = _record(e)
+        if not (text or lps or finish):
+            continue  # a retried attempt has not caught up with what was sent
+        sent[key] = (len(out.text), len(out.logprobs or []))
+        c = key[0] * n + key[1]
+        if chat:
+            chunk = bodies.chat_chunk(*head, c, {"content": text}, lps, finish)
+        else:
+            chunk = bodies.text_chunk(*head, c, text, lps, chars, finish)
+        yield _sse({**chunk, **extra})
+    if include_usage and len(finals) == size * n:
+        items = [[finals[(i, j)] for j in range(n)] for i in range(size)]
+        yield _sse({"id": head[0], "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": head[1], "model": head[2], "system_fingerprint": None, "choices": [],
+                    "usage": bodies.usage(items)})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,71 @@
+"""OpenAI's error format, `{"error": {"message", "type", "param", "code"}}`, for the OpenAI
+routes (api.app sends their validation, Redis and HTTP errors through here), so OpenAI
+clients raise their usual exceptions (BadRequestError with `param`, NotFoundError, ...)."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches")
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody
+
+
+RESPONSES = {status: {"model": ErrorOut, "description": what} for status, what in (
+    (400, "invalid request (`param` names the field)"), (401, "missing or invalid API key"),
+    (403, "not allowed for this API key"), (404, "unknown id or model"),
+    (429, "over one of this API key's limits"), (503, "Redis is unavailable (try again)"))}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def is_openai(path: str) -> bool:
+    return path.startswith(PATHS)
+
+
+def not_found(what: str, id: str, code: str | None = None) -> OpenAIError:
+    return OpenAIError(404, f"No such {what}: '{id}'", code=code)
+
+
+def param(loc) -> str | None:
+    """A pydantic location as OpenAI names a parameter: messages.0.content -> messages[0].content."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "form")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def from_validation(errors: list[dict]) -> OpenAIError:
+    """The first of pydantic's errors, in OpenAI's words: an unknown field is an unsupported
+    parameter; the message names the field."""
+    e = errors[0]
+    name = param(e.get("loc", ()))
+    if e.get("type") == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {name} (not supported by this server)",
+                           param=name, code="unsupported_parameter")
+    where = f"{name}: " if name else ""
+    return OpenAIError(400, f"{where}{e.get('msg', 'invalid value')}", param=name, code="invalid_value")

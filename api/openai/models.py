@@ -1,0 +1,47 @@
+"""The models the live workers serve: each worker refreshes its model's entry in Redis
+with its heartbeat (worker.consumer), so a model whose workers are all gone drops out
+within FANOUT_HEARTBEAT_TTL."""
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Request
+
+from results import keys
+
+from .errors import OpenAIError, not_found
+from .schemas import Model, ModelList
+
+router = APIRouter()
+
+
+def served(redis) -> dict[str, int]:
+    """name -> when it started being served (Unix seconds)."""
+    now, out = time.time(), {}
+    for name, raw in redis.hgetall(keys.models()).items():
+        entry = json.loads(raw)
+        if entry["expires"] > now:
+            out[name.decode()] = entry["created"]
+    return out
+
+
+def require(redis, name: str) -> None:
+    """OpenAIError 404 unless a live worker serves `name`."""
+    if name not in served(redis):
+        raise OpenAIError(404, f"The model '{name}' does not exist or no worker serves it now (GET /v1/models "
+                               "lists the served ones)", param="model", code="model_not_found")
+
+
+@router.get("/models", response_model=ModelList)
+def list_models(request: Request):
+    """The models that live workers serve."""
+    return {"data": [{"id": name, "created": t} for name, t in sorted(served(request.app.state.redis).items())]}
+
+
+@router.get("/models/{model:path}", response_model=Model)
+def get_model(model: str, request: Request):
+    created = served(request.app.state.redis).get(model)
+    if created is None:
+        raise not_found("model", model, code="model_not_found")
+    return {"id": model, "created": created}

@@ -1,0 +1,310 @@
+"""OpenAI's request and response objects for chat completions, completions and models, and
+the mapping of OpenAI's sampling names onto SamplingParams (the one definition of each
+parameter: the request fields take its type, bounds and description).
+
+A field OpenAI has and we do not (tools, response_format, logit_bias, echo, ...) is an
+unknown field here: 400 naming it (api.openai.errors), never ignored."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
+from worker.settings import Settings
+from worker.spec import NonEmptyStr
+
+from ..schemas import MetadataKey, MetadataValue, Priority
+from .errors import OpenAIError
+
+# OpenAI name -> SamplingParams name: the one place where the two vocabularies meet.
+SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n": "n",
+            "seed": "seed", "stop": "stop", "temperature": "temperature", "top_p": "top_p",
+            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+# Extensions, as vLLM takes them: the engine's other parameters.
+EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+              "min_tokens": "min_new_tokens", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+              "skip_special_tokens": "skip_special_tokens"}
+CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}  # completions: `logprobs: k`
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _field(ours: str) -> tuple[Any, Any]:
+    f = SamplingParams.model_fields[ours]
+    kind = Annotated[f.annotation, *f.metadata] if f.metadata else f.annotation
+    if ours == "stop":
+        kind = StopString | kind  # one string or a list, as in SamplingParams
+    return Optional[kind], Field(None, description=f.description)
+
+
+def _fields(table: dict[str, str]) -> dict[str, tuple]:
+    return {theirs: _field(ours) for theirs, ours in table.items()}
+
+
+class StreamOptions(Strict):
+    include_usage: bool = Field(False, description="a last chunk with the usage and no choices")
+
+
+class Request(Strict):
+    model: str = Field(min_length=1, description="a model that GET /v1/models lists")
+    stream: bool = Field(False, description="server-sent chunks, then `data: [DONE]`")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=512, description="kept in the job's metadata as `user`")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+ChatCompletionRequest = create_model(
+    "ChatCompletionRequest", __base__=Request,
+    messages=(list[ChatMessage], Field(min_length=1, description="templated by the model's chat template")),
+    **_fields({**SAMPLING, **EXTENSIONS, **CHAT_LOGPROBS}))
+
+Prompt = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+          | Annotated[list[TokenId], Field(min_length=1)]
+          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+
+CompletionRequest = create_model(
+    "CompletionRequest", __base__=Request,
+    prompt=(Prompt, Field(description="a text, texts, token ids, or lists of token ids: one job item each")),
+    logprobs=(Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]],
+              Field(None, description="the log-probability of each token and of the k most likely")),
+    **_fields({**SAMPLING, **EXTENSIONS}))
+
+
+def sampling_params(req: Request, settings: Settings) -> SamplingParams:
+    """The request's sampling fields as SamplingParams, within the service's limits. Without
+    max_tokens a chat completion may run to FANOUT_MAX_NEW_TOKENS (or the end of the
+    context) and a completion to 16 tokens, as OpenAI's defaults."""
+    table = {**SAMPLING, **EXTENSIONS, **(CHAT_LOGPROBS if isinstance(req, ChatCompletionRequest) else {})}
+    given = {ours: getattr(req, theirs) for theirs, ours in table.items() if getattr(req, theirs) is not None}
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        given.update(logprobs=True, top_logprobs=req.logprobs)
+
+    def named(ours: str) -> str:
+        return next((t for t, o in table.items() if o == ours and getattr(req, t) is not None), ours)
+
+    given.setdefault("max_new_tokens", 16 if isinstance(req, CompletionRequest) else settings.max_new_tokens)
+    try:
+        p = SamplingParams(**given)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = named(err["loc"][0]) if err["loc"] else None
+        raise OpenAIError(400, f"{name + ': ' if name else ''}{err['msg']}", param=name, code="invalid_value") from None
+    if p.max_new_tokens > settings.max_new_tokens:
+        raise OpenAIError(400, f"{p.max_new_tokens} tokens is over this server's limit of {settings.max_new_tokens} "
+                               "(FANOUT_MAX_NEW_TOKENS)", param=named("max_new_tokens"), code="invalid_value")
+    if p.n > settings.max_n:
+        raise OpenAIError(400, f"n={p.n} is over this server's limit of {settings.max_n} (FANOUT_MAX_N)",
+                          param="n", code="invalid_value")
+    return p
+
+
+# -- responses ---------------------------------------------------------------------------
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="when a worker started serving it (Unix seconds)")
+    owned_by: str = "fanout"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class LegacyLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None
+    finish_reason: str
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+# -- files and batches --------------------------------------------------------------------
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+
+
+class BatchCreate(Strict):
+    input_file_id: str = Field(description="a file uploaded with purpose `batch`")
+    endpoint: Endpoint
+    completion_window: Literal["24h"] = Field(description="lines not done by then expire (FANOUT_BATCH_WINDOW)")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
+    # Extensions, as in POST /v1/jobs.
+    priority: Priority = Field("normal", description="extension: the job's queue")
+    run_at: Annotated[AwareDatetime, Field(strict=False)] | None = Field(None, description="extension: start no earlier than this (ISO 8601 "
+                                                           "with a zone); the window counts from creation")
+
+
+class BatchError(BaseModel):
+    code: str | None
+    line: int | None
+    message: str | None
+    param: str | None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    usage: BatchUsage | None
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -1,0 +1,57 @@
+"""Issue 10 on the native API: items' custom_id on results and stream entries, GET /v1/jobs,
+and the model that ran a job. Real API, worker and Redis."""
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+
+from results import reader
+
+
+@pytest.fixture
+def http(api_url):
+    with httpx.Client(base_url=api_url, timeout=10) as c:
+        yield c
+
+
+def test_custom_ids_come_back_on_results_and_every_stream_entry(client, redis):
+    job = client.submit(prompts=["Hello", "def f(x):", "import os"], custom_ids=["a", None, "c"],
+                        sampling_params={"max_new_tokens": 5, "n": 2})
+    entries = [e for _, e in reader.follow(redis, job["id"], timeout=60)]
+    per_item = [e for e in entries if e["type"] in ("delta", "final", "error")]
+    assert {e["index"] for e in per_item} == {0, 1, 2}
+    for e in per_item:
+        assert e.get("custom_id") == {0: "a", 1: None, 2: "c"}[e["index"]], e
+    items = client.results(job["id"])
+    assert [(it["index"], it["custom_id"], len(it["samples"])) for it in items] == [(0, "a", 2), (1, None, 2),
+                                                                                   (2, "c", 2)]
+    info = client.status(job["id"])
+    assert info["status"] == "succeeded" and info["model"] == "llama"  # the model folder's name
+
+
+@pytest.mark.parametrize("custom_ids, msg", [(["a", "a"], "unique"), (["a"], "1 for 2 items"), (["a", ""], "at least 1")])
+def test_bad_custom_ids_get_a_422(http, custom_ids, msg):
+    r = http.post("/v1/jobs", json={"prompts": ["x", "y"], "custom_ids": custom_ids})
+    assert r.status_code == 422, r.text
+    assert msg in r.text
+
+
+def test_jobs_are_listed_newest_first_with_a_cursor_and_a_status_filter(http):
+    later = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+    ids = [http.post("/v1/jobs", json={"prompts": ["x"], "run_at": later}).json()["id"] for _ in range(3)]
+    try:
+        first = http.get("/v1/jobs", params={"limit": 2}).json()
+        assert [j["id"] for j in first["data"]] == ids[::-1][:2] and first["has_more"]
+        assert first["last_id"] == ids[1] and first["data"][0]["status"] == "scheduled"
+        second = http.get("/v1/jobs", params={"limit": 2, "after": first["last_id"]}).json()
+        assert second["data"][0]["id"] == ids[0]
+        scheduled = http.get("/v1/jobs", params={"status": "scheduled", "limit": 100}).json()
+        assert set(ids) <= {j["id"] for j in scheduled["data"]}
+        assert {j["status"] for j in scheduled["data"]} == {"scheduled"}
+        succeeded = http.get("/v1/jobs", params={"status": "succeeded", "limit": 100}).json()
+        assert not set(ids) & {j["id"] for j in succeeded["data"]}
+        r = http.get("/v1/jobs", params={"after": "no-such-job"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "after"]
+    finally:
+        for job_id in ids:
+            http.post(f"/v1/jobs/{job_id}/cancel")

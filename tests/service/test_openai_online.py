@@ -1,0 +1,138 @@
+"""The OpenAI online endpoints with the official `openai` client against the live service
+(real API and worker processes, real Redis): models, chat completions and completions,
+streamed and not, equal to the engine's own output; errors in OpenAI's format."""
+import time
+
+import httpx
+import openai
+import pytest
+
+from worker.engine import SamplingParams
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]
+
+
+@pytest.fixture
+def oai(api_url, worker):
+    with openai.OpenAI(base_url=api_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def chat_ids(engine, chat):
+    tok = engine.tokenizer
+    return tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def test_models_lists_what_the_worker_serves(oai):
+    assert [m.id for m in oai.models.list().data] == ["llama"]  # the model folder's name
+    assert oai.models.retrieve("llama").owned_by == "fanout"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+
+
+def test_chat_completion_is_the_engines_greedy_answer_streamed_or_not(oai, engine):
+    ids = chat_ids(engine, CHAT)
+    ref = engine.generate(input_ids=[ids], sampling_params=SamplingParams(
+        max_new_tokens=8, temperature=0, logprobs=True, top_logprobs=2))[0].samples[0]
+
+    r = oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "llama" and len(r.choices) == 1
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 8, len(ids) + 8)
+    assert [t.token for t in choice.logprobs.content] == [x["token"] for x in ref.logprobs]
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx([x["logprob"] for x in ref.logprobs])
+    assert [[t.token for t in x.top_logprobs] for x in choice.logprobs.content] == \
+        [[t["token"] for t in x["top_logprobs"]] for x in ref.logprobs]
+
+    chunks = list(oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=8, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+
+    # The job underneath is a native job: high priority, its model named.
+    job = httpx.get(f"{oai.base_url}jobs/{r.id.removeprefix('chatcmpl-')}").json()
+    assert (job["status"], job["priority"], job["model"]) == ("succeeded", "high", "llama")
+
+
+def test_completions_map_n_seed_and_logprobs_for_several_prompts(oai, engine):
+    prompts = ["Hello", "def fibonacci(n):"]
+    ref = engine.generate(prompts=prompts, seed=5, sampling_params=SamplingParams(
+        max_new_tokens=6, n=2, temperature=0.8, top_p=0.95, logprobs=True, top_logprobs=3))
+    texts = [s.text for it in ref for s in it.samples]
+
+    r = oai.completions.create(model="llama", prompt=prompts, n=2, seed=5, max_tokens=6, temperature=0.8,
+                               top_p=0.95, logprobs=3)
+    assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == texts
+    lp = r.choices[3].logprobs
+    assert lp.tokens == [x["token"] for x in ref[1].samples[1].logprobs]
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert r.usage.completion_tokens == 4 * 6
+
+    streamed = {}
+    for chunk in oai.completions.create(model="llama", prompt=prompts, n=2, seed=5, max_tokens=6,
+                                        temperature=0.8, top_p=0.95, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == texts
+
+    default = oai.completions.create(model="llama", prompt=[[5, 6, 7]], temperature=0)  # token ids; OpenAI's 16
+    assert default.usage.completion_tokens <= 16 and default.usage.prompt_tokens == 3
+
+
+def test_unsupported_fields_bad_values_and_unknown_models_get_openai_errors(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=2, logit_bias={"5": 10})
+    assert (e.value.param, e.value.code) == ("logit_bias", "unsupported_parameter")
+    assert "logit_bias" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="llama", prompt="x", echo=True)
+    assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x", "name": "bob"}])
+    assert e.value.param == "messages[0].name"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=CHAT, temperature=-1)
+    assert e.value.param == "temperature" and e.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=CHAT, n=9)  # conftest: FANOUT_MAX_N=8
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert (e.value.param, e.value.code) == ("model", "model_not_found")
+
+
+def test_a_prompt_that_cannot_run_is_a_400_streamed_or_not(oai):
+    too_long = list(range(10, 300)) * 4  # 1,160 tokens: over the tiny model's context of 1,024
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model="llama", prompt=too_long, max_tokens=2, stream=stream)
+        assert "context" in e.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_goes_away_cancels_its_job(api_url, worker, stream):
+    body = {"model": "llama", "messages": CHAT, "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    with httpx.Client(timeout=httpx.Timeout(10, read=1.5)) as c:
+        try:
+            with c.stream("POST", api_url + "/v1/chat/completions", json=body) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i == 5:
+                        break  # streamed: goes away after a few chunks
+        except httpx.ReadTimeout:  # not streamed: goes away while it waits
+            assert not stream
+        else:
+            assert stream
+    newest = httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"][0]
+    assert newest["priority"] == "high"  # the request's job
+    deadline = time.monotonic() + 15
+    while (job := httpx.get(f"{api_url}/v1/jobs/{newest['id']}").json())["status"] != "canceled":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)  # canceled, not succeeded: it stopped before its 900 tokens
