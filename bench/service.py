@@ -34,7 +34,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from results.client import Client  # noqa: E402
-from worker.cli import EmbeddedRedis, free_port  # noqa: E402
+from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this "
          "data model token batch queue worker stream result prompt sample seed cache kernel page").split()

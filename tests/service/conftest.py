@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from worker.cli import EmbeddedRedis, free_port
+from worker.redis_server import EmbeddedRedis, free_port
 from worker.engine.models.tiny import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,8 @@ from api import batchfile, cron, jobs
 from worker.settings import Settings
 from results import reader
 from results.client import Client
-from worker.cli import EmbeddedRedis, free_port, main, parser
+from worker.cli import main, parser
+from worker.redis_server import EmbeddedRedis, free_port
 from worker.engine import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

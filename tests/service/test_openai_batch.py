@@ -14,7 +14,7 @@ import redis as redis_lib
 from api import tenants
 from conftest import WorkerProc, start_api
 from results import reader
-from worker.cli import EmbeddedRedis
+from worker.redis_server import EmbeddedRedis
 from worker.engine import SamplingParams
 
 

@@ -16,7 +16,7 @@ from api.schemas import JobRequest
 from conftest import WorkerProc, start_api, wait_for
 from results import keys, reader
 from results.client import Client
-from worker.cli import EmbeddedRedis
+from worker.redis_server import EmbeddedRedis
 from worker.engine import SamplingParams
 from worker.settings import Settings
 

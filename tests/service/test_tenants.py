@@ -18,7 +18,7 @@ import redis as redis_lib
 from api import tenants
 from conftest import ROOT, WorkerProc, start_api, wait_for
 from results.client import Client
-from worker.cli import EmbeddedRedis
+from worker.redis_server import EmbeddedRedis
 
 JOB = {"prompts": ["a b c"], "sampling_params": {"max_new_tokens": 4}}
 
