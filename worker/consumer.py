@@ -15,6 +15,7 @@ jobs, so `Consumer` registers as an rq worker but runs its own loop:
 
 A job's execution expires `heartbeat_ttl` seconds after its worker's last heartbeat (sent
 every third of that); every worker looks for expired ones every REAP_INTERVAL seconds and
+(worker/reaper.py)
 retries their job (it resumes on a live worker), fails it (no retries left: the stream gets
 its terminal entry) or cancels it (a cancel was requested).
 
@@ -47,19 +48,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from redis.retry import Retry
 from rq import Queue, worker_registration
-from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.job_lifecycle import record_job_failure
-from rq.registry import CanceledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
-from rq.utils import as_text, current_timestamp, now, parse_composite_key, utcformat
+from rq.utils import as_text, now
 from rq.worker import BaseWorker, WorkerStatus
 
-from results import events, keys, progress, publisher, store
+from results import events, keys, publisher, store
 from results.publisher import Batch
 
+from . import reaper
 from .engine import Engine, EngineError
 from .logs import JobLog, about
 from .metrics import WorkerMetrics
@@ -417,59 +417,11 @@ class Consumer(BaseWorker):
         self.metrics.attempt("dropped")
 
     def reap(self) -> None:
-        """Retry, fail or cancel the jobs whose execution expired (their worker died or
-        stalled). rq does this only in its maintenance, every 10 minutes, and without the
-        stream entries."""
-        for q in self.queues:
-            key = q.started_job_registry.key
-            for entry in self.connection.zrangebyscore(key, 0, current_timestamp()):
-                self.reap_one(q, key, as_text(entry))
-
-    def reap_one(self, queue: Queue, registry: str, entry: str) -> None:
-        job_id, _ = parse_composite_key(entry)
-        with self.connection.pipeline() as pipe, about(job_id):
-            try:
-                # The owner's heartbeat writes the registry: watching it, a heartbeat (or
-                # another reaper) that comes meanwhile voids this transaction.
-                pipe.watch(registry)
-                score = pipe.zscore(registry, entry)
-                if score is None or score > current_timestamp():
-                    return
-                try:
-                    job = Job.fetch(job_id, connection=self.connection, serializer=self.serializer)
-                except NoSuchJobError:
-                    job = None
-                if job is None or job.get_status(refresh=False) != JobStatus.STARTED:
-                    pipe.multi()  # a leftover entry: only remove it
-                    pipe.zrem(registry, entry)
-                    pipe.execute()
-                    return
-                canceled = pipe.exists(keys.cancel(job_id))
-                counts = self._counts(job_id)
-                why = f"AbandonedJobError: its worker {job.worker_name} stopped sending heartbeats"
-                batch = Batch(self.connection)
-                pipe.multi()
-                Execution.from_composite_key(entry, self.connection).delete(job=job, pipeline=pipe)
-                if canceled:
-                    self._canceled(job, pipe)
-                    batch.close(job_id, "canceled", self.settings.result_ttl, **counts)
-                    outcome = "canceled"
-                elif job.retries_left:
-                    job.retry(queue, pipe)
-                    batch.info(job_id, error=why)
-                    batch.status(job_id, "queued", error=f"{why}; retrying")
-                    outcome = f"retried ({job.retries_left} retries left)"
-                else:
-                    job.ended_at = now()
-                    record_job_failure(job, why, pipe)
-                    batch.info(job_id, error=why)
-                    batch.close(job_id, "failed", self.settings.result_ttl, error=why, **counts)
-                    outcome = "failed"
-                batch.send(pipe)
-            except WatchError:
-                return  # the next round looks again
-        JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", job.worker_name, outcome)
-        self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
+        """Retry, fail or cancel the jobs whose execution expired (worker/reaper.py)."""
+        for job_id, owner, outcome in reaper.reap(self.connection, self.queues, self.serializer,
+                                                  self.settings.result_ttl):
+            JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", owner, outcome)
+            self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
 
     # -- one job's lifecycle -----------------------------------------------------------
 
@@ -655,10 +607,6 @@ class Consumer(BaseWorker):
         if not self.active:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
-    def _counts(self, job_id: str) -> dict:
-        info = progress.read(self.connection, job_id) or {}
-        return {k: info.get(k) for k in ("done", "total", "failed")}
-
     def succeed(self, a: Active) -> None:
         batch = Batch(self.connection)
         self._batching(batch, a)
@@ -667,7 +615,7 @@ class Consumer(BaseWorker):
             return
         self._done(a)
         job = a.job
-        counts = self.retrying(self._counts, job.id)
+        counts = self.retrying(reaper.counts, self.connection, job.id)
 
         def transition():
             job.ended_at = now()
@@ -703,7 +651,7 @@ class Consumer(BaseWorker):
         status = self.end(job, execution, transition)
         if status == JobStatus.FAILED:
             self.retrying(publisher.close, self.connection, job.id, "failed", self.settings.result_ttl,
-                          error=message, **self.retrying(self._counts, job.id))
+                          error=message, **self.retrying(reaper.counts, self.connection, job.id))
             JobLog(log, job.id).warning("failed: %s", message)
             self.metrics.attempt("failed")
         elif status in (JobStatus.QUEUED, JobStatus.SCHEDULED):
@@ -715,13 +663,6 @@ class Consumer(BaseWorker):
         if not self.active:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
-    def _canceled(self, job: Job, pipe) -> None:
-        """The rq side of a cancel, in `pipe`."""
-        job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        pipe.hset(job.key, "ended_at", utcformat(now()))
-        CanceledJobRegistry(job.origin, self.connection, serializer=self.serializer).add(job, pipeline=pipe)
-        job.cleanup(self.settings.result_ttl, pipeline=pipe, remove_from_queue=False)
-
     def cancel(self, a: Active) -> None:
         """Abort now (KV freed at once); finished samples stay stored."""
         n = self.engine.abort(a.job.id)
@@ -730,13 +671,13 @@ class Consumer(BaseWorker):
 
         def transition():
             with self.connection.pipeline() as pipe:
-                self._canceled(job, pipe)
+                reaper.mark_canceled(job, pipe, self.settings.result_ttl)
                 self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
                 pipe.execute()
 
         if self.end(job, a.execution, transition) == JobStatus.CANCELED:
             self.retrying(publisher.close, self.connection, job.id, "canceled", self.settings.result_ttl,
-                          **self.retrying(self._counts, job.id))
+                          **self.retrying(reaper.counts, self.connection, job.id))
             JobLog(log, job.id).info("canceled, %d requests aborted", n)
             self.metrics.attempt("canceled")
 
