@@ -14,9 +14,8 @@ jobs, so `Consumer` registers as an rq worker but runs its own loop:
            samples are all done moves to rq's finished registry and its stream is closed
 
 A job's execution expires `heartbeat_ttl` seconds after its worker's last heartbeat (sent
-every third of that); every worker looks for expired ones every REAP_INTERVAL seconds and
-(worker/reaper.py)
-retries their job (it resumes on a live worker), fails it (no retries left: the stream gets
+every third of that); every worker looks for expired ones (worker/reaper.py) every
+REAP_INTERVAL seconds and retries their job (it resumes on a live worker), fails it (no retries left: the stream gets
 its terminal entry) or cancels it (a cancel was requested).
 
 Redis outages: the loop pauses (the engine keeps its state: nothing leaves this process
