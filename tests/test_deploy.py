@@ -15,7 +15,7 @@ import threading
 import pytest
 import yaml
 
-from worker import cli
+from worker import cli, redis_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FANOUT = ("api", "worker", "cron")  # the services that run the image
@@ -161,7 +161,7 @@ def test_api_healthcheck_calls_healthz_and_fails_on_an_error(services, monkeypat
     finally:
         server.shutdown()
         server.server_close()
-    assert _exit_code(code.replace(f":{args.port}/", f":{cli.free_port()}/")) == 1  # nothing listening
+    assert _exit_code(code.replace(f":{args.port}/", f":{redis_server.free_port()}/")) == 1  # nothing listening
 
 
 def test_worker_healthcheck_wants_a_fresh_registration_from_this_host(services, monkeypatch):
@@ -169,7 +169,7 @@ def test_worker_healthcheck_wants_a_fresh_registration_from_this_host(services, 
     from rq import Worker
 
     code = _code(services["worker"]["healthcheck"])
-    server = cli.EmbeddedRedis()
+    server = redis_server.EmbeddedRedis()
     try:
         plain = redis_lib.Redis.from_url(server.url)
         plain.config_set("requirepass", "s3cret")  # as in compose: the URL carries the password

@@ -17,7 +17,7 @@ import redis as redis_lib
 import rq
 import yaml
 
-from worker import cli
+from worker import cli, redis_server
 from worker.spec import QUEUE_ORDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -372,7 +372,7 @@ def test_worker_probes_want_a_fresh_registration_from_this_pod(docs, monkeypatch
     assert cmd[:2] == ["python", "-c"] and len(cmd) == 3
     # The model loads before the worker registers: the startup probe allows minutes.
     assert start["periodSeconds"] * start["failureThreshold"] >= 600
-    server = cli.EmbeddedRedis()
+    server = redis_server.EmbeddedRedis()
     try:
         redis_lib.Redis.from_url(server.url).config_set("requirepass", PASSWORD)
         url = f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
