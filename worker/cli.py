@@ -99,8 +99,11 @@ def cmd_api(args) -> None:
             own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fanout-metrics-")
     log_config = {"log_config": logs.uvicorn_config()} if logs.json_enabled() else {}
     try:
+        # Idle keep-alive connections live 75 s (uvicorn's default is 5): longer than a load
+        # balancer's idle timeout (60 s is common), so the server never closes a connection
+        # a client or proxy is about to reuse (a "connection reset" on its next request).
         uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port,
-                    workers=args.workers, log_level="info", **log_config)
+                    workers=args.workers, log_level="info", timeout_keep_alive=75, **log_config)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
