@@ -53,5 +53,8 @@ def test_jobs_are_listed_newest_first_with_a_cursor_and_a_status_filter(http):
         r = http.get("/v1/jobs", params={"after": "no-such-job"})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "after"]
     finally:
-        for job_id in ids:
-            http.post(f"/v1/jobs/{job_id}/cancel")
+        # A fresh connection: in the full suite (only there) the server has reset the one
+        # that carried the 422 above; not understood yet, named in the stop-13 closing note.
+        with httpx.Client(base_url=str(http.base_url), timeout=10) as fresh:
+            for job_id in ids:
+                fresh.post(f"/v1/jobs/{job_id}/cancel")
