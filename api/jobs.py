@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.exceptions import WatchError
 from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
@@ -172,9 +173,12 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         raise JobNotFound(job_id)
     error = info["error"]
     if status == "failed" and not error:
-        # Failed outside the worker's hands (e.g. abandoned after a worker died): rq knows why.
-        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-        result = job.latest_result()
+        # Failed outside the worker's hands (e.g. abandoned after a worker died): rq knows why,
+        # while it keeps the job (its TTLs may end before ours).
+        try:
+            result = Job.fetch(job_id, connection=redis, serializer=JSONSerializer).latest_result()
+        except NoSuchJobError:
+            result = None
         error = (result.exc_string or "failed").strip().splitlines()[-1] if result else "failed"
     return {
         "id": job_id, "status": status, "priority": info["priority"],

@@ -243,3 +243,7 @@ def test_sse_closes_a_job_rq_ended_without_a_terminal_entry(http, redis):
     again = http.get(f"/v1/jobs/{job['id']}/events").text
     assert again.count('"status": "failed"') == 1
     assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "failed"
+    redis.delete(rq_job.key)  # rq's TTLs can end before ours: the job still answers, no 500
+    assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "failed"
+    listed = http.get("/v1/jobs", params={"status": "failed", "limit": 100})
+    assert listed.status_code == 200 and job["id"] in [j["id"] for j in listed.json()["data"]]
