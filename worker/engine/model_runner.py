@@ -58,6 +58,8 @@ class ModelRunner:
             log.warning("CUDA graphs off: the torch attention backend cannot be captured")
             sizes = []
         self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.model.pack_weights()  # measured in fp32 only (oneDNN fp16 needs AVX512-FP16)
         per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         if kv_tokens is None:
             kv_tokens = self._default_kv_tokens(per_token, kv_memory_fraction, max_prefill_tokens,
