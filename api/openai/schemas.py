@@ -2,13 +2,13 @@
 the mapping of OpenAI's sampling names onto SamplingParams (the one definition of each
 parameter: the request fields take its type, bounds and description).
 
-A field OpenAI has and we do not (tools, response_format, logit_bias, echo, ...) is an
-unknown field here: 400 naming it (api.openai.errors), never ignored."""
+A field OpenAI has and we do not (tools, logit_bias, echo, ...) is an unknown field here:
+400 naming it (api.openai.errors), never ignored."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
 from worker.settings import Settings
@@ -24,7 +24,7 @@ SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
 # Extensions, as vLLM takes them: the engine's other parameters.
 EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
               "min_tokens": "min_new_tokens", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-              "skip_special_tokens": "skip_special_tokens"}
+              "skip_special_tokens": "skip_special_tokens", "regex": "regex", "choice": "choice"}
 CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}  # completions: `logprobs: k`
 
 
@@ -48,10 +48,31 @@ class StreamOptions(Strict):
     include_usage: bool = Field(False, description="a last chunk with the usage and no choices")
 
 
+class JsonSchemaFormat(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        "the JSON Schema of the output (SamplingParams.json_schema); absent: any JSON"))
+    strict: bool | None = Field(None, description="taken as true: the output always follows the schema")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema only")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it with type json_schema, and only then")
+        return self
+
+
 class Request(Strict):
     model: str = Field(min_length=1, description="a model that GET /v1/models lists")
     stream: bool = Field(False, description="server-sent chunks, then `data: [DONE]`")
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(None, description=(
+        "json_object or json_schema: the output's grammar (see also the regex and choice extensions)"))
     user: str | None = Field(None, max_length=512, description="kept in the job's metadata as `user`")
 
 
@@ -93,8 +114,15 @@ def sampling_params(req: Request, settings: Settings) -> SamplingParams:
     given = {ours: getattr(req, theirs) for theirs, ours in table.items() if getattr(req, theirs) is not None}
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         given.update(logprobs=True, top_logprobs=req.logprobs)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["json_object"] = True
+    elif fmt is not None and fmt.type == "json_schema":
+        given["json_schema"] = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
 
     def named(ours: str) -> str:
+        if ours in ("json_schema", "json_object"):
+            return "response_format"
         return next((t for t, o in table.items() if o == ours and getattr(req, t) is not None), ours)
 
     given.setdefault("max_new_tokens", 16 if isinstance(req, CompletionRequest) else settings.max_new_tokens)

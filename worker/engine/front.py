@@ -2,7 +2,8 @@
 as (index, sample)-tagged events.
 
 Fan-out tokenizes the batch (in one call when every item is text), gives each
-(item, sample) a rid and a seed derived from (job seed, item, sample), and for n > 1 first
+(item, sample) a rid, a seed derived from (job seed, item, sample) and, when its output has
+a grammar, a matcher of that grammar (compiled once: grammar.py), and for n > 1 first
 runs one max_new_tokens=0 warm-up per distinct prompt - all warm-ups in the same step - so
 the n samples find the prompt in the radix cache. Fan-in detokenizes incrementally, applies
 stop strings, and turns scheduler output into events in completion order.
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 from .detokenizer import Detokenizer
 from .events import Event, Usage
+from .grammar import GrammarError, Grammars
 from .req import Req
 from .sampling_params import SamplingParams, per_item
 from .scheduler import step_error
@@ -63,6 +65,7 @@ class Front:
         self.max_context = max_context
         self.kv_tokens = kv_tokens
         self.eos_ids = frozenset(eos_ids)
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
         self.streams: dict[str, _Stream] = {}
         self.warmups: dict[str, _Warmup] = {}
         self.outbox: list[Event] = []  # events made outside a step (errors, aborts)
@@ -95,10 +98,16 @@ class Front:
         by_prompt: dict[tuple, _Warmup] = {}
         for (index, _, _), ids, p in zip(items, ids_list, params):
             error = self._check(ids, p)
+            grammar, matchers = p.grammar, [None] * p.n
+            if error is None and grammar is not None:
+                try:  # compiled once per distinct grammar; a matcher per sample
+                    matchers = [self.grammars.matcher(grammar) for _ in range(p.n)]
+                except GrammarError as e:
+                    error = f"{grammar[0]}: {e}"
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
                         seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
-                        eos_ids=self.eos_ids,
-                        tag=tag, index=index, sample=j) for j in range(p.n)]
+                        eos_ids=self.eos_ids, tag=tag, index=index, sample=j,
+                        grammar=matchers[j]) for j in range(p.n)]
             for r in reqs:
                 self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,
                                                               p.skip_special_tokens, ids), sink,

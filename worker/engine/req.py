@@ -25,6 +25,7 @@ class Req:
     index: int = 0  # item index in the caller's batch
     sample: int = 0  # sample index within the item
     return_prompt_logits: bool = False
+    grammar: Any = None  # grammar.Matcher of a constrained output: advanced with each token
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -1,5 +1,5 @@
-"""Next-token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws; and
-for the requests that ask, logprobs (and top tokens) of the raw logits.
+"""Next-token sampling: grammar masks, penalties, temperature, top-k / top-p / min-p, seeded
+draws; and for the requests that ask, logprobs (and top tokens) of the raw logits.
 
 A random row's draw depends only on (req.seed, step, vocab index): the noise comes from a
 counter-based hash, not from a torch generator, so a sample is the same whatever batch it
@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .grammar import Masks
 from .req import Req
 
 _M32 = 0xFFFFFFFF
+_HASH_BLOCK = 1 << 18  # int64 values per block of seeded_uniform on a CPU (2 MiB)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -31,6 +33,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """_mix32 in place, tmp (same shape) as scratch: no temporaries allocated."""
+    for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
+        x.mul_(c).bitwise_and_(_M32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
 
 
 def _row_keys(seeds: list[int], steps: list[int], device) -> torch.Tensor:
@@ -53,10 +63,21 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
     if col_keys is None:
         col_keys = _col_keys(vocab_size, device)
     k = _row_keys(seeds, steps, device)[:, None]
-    h = _mix32(k ^ col_keys[None, :])
-    h = _mix32((h + k) & _M32)  # second, non-xor round: rows are not xor-shifts of each other
-    # 23 bits + 0.5 is exact in float32, so u is never 0 or 1.
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    out = torch.empty(k.shape[0], vocab_size, dtype=torch.float32, device=k.device)
+    # On a CPU, in blocks of columns small enough for the cache, in place: the hash is some
+    # twenty passes over [B, V] int64, which done whole stream from memory (~8x slower).
+    cols = max(1, _HASH_BLOCK // max(1, k.shape[0])) if k.device.type == "cpu" else vocab_size
+    h = torch.empty(k.shape[0], min(cols, vocab_size), dtype=torch.int64, device=k.device)
+    tmp = torch.empty_like(h)
+    for s in range(0, vocab_size, cols):
+        n = min(cols, vocab_size - s)
+        hb, tb = h[:, :n], tmp[:, :n]
+        _mix32_(torch.bitwise_xor(k, col_keys[None, s:s + n], out=hb), tb)
+        # Second, non-xor round: rows are not xor-shifts of each other.
+        _mix32_(hb.add_(k).bitwise_and_(_M32), tb)
+        # 23 bits + 0.5 is exact in float32, so u is never 0 or 1.
+        out[:, s:s + n] = hb.bitwise_right_shift_(9)
+    return out.add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -83,6 +104,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._col_keys = _col_keys(vocab_size, self.device)
+        self._masks: Masks | None = None  # made for the first constrained row
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
@@ -91,18 +113,24 @@ class Sampler:
             raise ValueError(f"logits: {logits.shape[1]} columns < vocab_size {self.vocab_size}")
         # Columns past vocab_size are padding of the lm_head and are never sampled.
         raw = logits[:, : self.vocab_size].float()
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs]
+        # Before the grammar masks: logprobs are the model's own.
+        lsm = torch.log_softmax(_take(raw, rows), dim=-1) if rows else None
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:  # in place: the rows of a constrained request in the caller's logits
+            if self._masks is None:
+                self._masks = Masks(self.vocab_size, self.device)
+            self._masks.apply(raw, constrained, [reqs[i].grammar for i in constrained])
         if all(r.params.greedy and not self._needs_penalty(r) for r in reqs):
             tokens = raw.argmax(dim=-1)  # fast path: nothing to change, nothing to draw
         else:
             tokens = self._sample(self.apply_penalties(raw, reqs), reqs)
-        rows = [i for i, r in enumerate(reqs) if r.params.logprobs]
-        return SampleOutput(tokens.tolist(), self._logprobs(raw, tokens, reqs, rows) if rows else None)
+        return SampleOutput(tokens.tolist(), self._logprobs(lsm, tokens, reqs, rows) if rows else None)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req],
+    def _logprobs(self, lsm: torch.Tensor, tokens: torch.Tensor, reqs: list[Req],
                   rows: list[int]) -> list[TokenLogprob | None]:
-        """log_softmax over the rows that ask only, and one topk over those that want top
-        tokens; the other rows pay nothing."""
-        lsm = torch.log_softmax(_take(raw, rows), dim=-1)
+        """From the log_softmax of the rows that ask only (lsm), and one topk over those that
+        want top tokens; the other rows pay nothing."""
         chosen = lsm.gather(1, _take(tokens, rows)[:, None])[:, 0].tolist()
         ks = [reqs[i].params.top_logprobs for i in rows]
         want = [j for j, k in enumerate(ks) if k]

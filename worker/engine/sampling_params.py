@@ -7,16 +7,22 @@ This module imports no torch: the API imports it.
 """
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+import json
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOKENS = 1 << 20  # bound of every token count; the service sets lower limits (FANOUT_MAX_*)
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_GRAMMAR_CHARS = 1 << 16  # a JSON schema (as JSON text), a regex, or all choices together
+MAX_CHOICES = 1024
 
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Choice = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "choice")
 
 
 class SamplingParams(BaseModel):
@@ -47,11 +53,52 @@ class SamplingParams(BaseModel):
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
                               description="also the k most likely tokens at each position (needs logprobs)")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    # Constrained decoding (at most one of these): each token is drawn from what the grammar
+    # allows, then EOS once it is complete, whatever ignore_eos says.
+    json_schema: dict[str, Any] | str | None = Field(None, description=(
+        "the output is JSON valid under this JSON Schema (an object, or its JSON text)"))
+    json_object: bool = Field(False, description="the output is a JSON object")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description=(
+        "the output matches this regular expression in full (Rust regex syntax)"))
+    choice: list[Choice] = Field([], max_length=MAX_CHOICES, description="the output is one of these strings")
 
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, v):
         return [v] if isinstance(v, str) else v
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, str):
+            if len(v) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters")
+            try:
+                obj = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"not JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise ValueError("must be a JSON object")
+        elif len(_canonical(v)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters as JSON")
+        _check_grammar("json_schema", _canonical(v))
+        return v
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, v):
+        if v is not None:
+            _check_grammar("regex", v)
+        return v
+
+    @field_validator("choice")
+    @classmethod
+    def _choice(cls, v):
+        if sum(map(len, v)) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters together")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -59,15 +106,76 @@ class SamplingParams(BaseModel):
             raise ValueError("min_new_tokens: must be <= max_new_tokens")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        given = [f for f in GRAMMAR_FIELDS if getattr(self, f) not in (None, False, [])]
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: give at most one")
+        if given and self.min_new_tokens:
+            # Once the grammar is complete only EOS is allowed, and min_new_tokens forbids it.
+            raise ValueError(f"min_new_tokens: cannot be combined with {given[0]}")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint as (kind, canonical text), the key of the engine's compile
+        cache: ("json_schema", compact JSON text; json_object is the schema of any object),
+        ("regex", the regex) or ("choice", the choices as a JSON list); None without one."""
+        if self.json_schema is not None:
+            return "json_schema", _canonical(self.json_schema)
+        if self.json_object:
+            return "json_schema", '{"type":"object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice:
+            return "choice", json.dumps(self.choice, ensure_ascii=False)
+        return None
+
     def copy(self, **changes) -> "SamplingParams":
         """A validated copy with some fields changed."""
         return SamplingParams.model_validate({**self.model_dump(), **changes})
+
+
+def _canonical(schema: dict | str) -> str:
+    """Compact JSON text of a schema. Key order is kept: it is the order of the output's
+    properties."""
+    obj = json.loads(schema) if isinstance(schema, str) else schema
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:  # from Python: a set, a NaN...
+        raise ValueError(f"not JSON: {e}") from None
+
+
+def llguidance_grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for (kind, text) (see SamplingParams.grammar). JSON comes out
+    compact, as xgrammar writes it (a schema's own x-guidance options still apply)."""
+    import llguidance
+
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    return llguidance.grammar_from("choice", text)
+
+
+def _check_grammar(kind: str, text: str) -> None:
+    """Raise ValueError with llguidance's message if it cannot compile the grammar. It needs
+    no tokenizer and no torch, so the API checks every grammar at submit time; the engine
+    compiles with xgrammar first and falls back to llguidance, so what passes here compiles
+    there (its tokenizer aside)."""
+    error = _grammar_error(kind, text)
+    if error:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=1024)  # 10,000 items with one schema check it once
+def _grammar_error(kind: str, text: str) -> str | None:
+    import llguidance
+
+    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance_grammar(kind, text))
+    return messages[0] if error else None
 
 
 def per_item(sampling_params: SamplingParams | list[SamplingParams] | None, count: int,

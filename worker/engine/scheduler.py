@@ -238,6 +238,12 @@ class Scheduler:
             if r.params.logprobs:
                 r.output_logprobs.append(out.logprobs[j])
             result.updated.append((r, [tok]))
+            if r.grammar is not None and not r.grammar.accept(tok):
+                # The sampler drew from the grammar's mask: only a mask that allowed nothing
+                # (a grammar this vocabulary cannot spell) gets here.
+                self.finish(r, "error", f"the grammar does not allow token {tok} here")
+                result.finished.append(r)
+                continue
             reason = self._finish_reason(r, tok)
             if reason:
                 self.finish(r, reason)
@@ -297,6 +303,9 @@ class Scheduler:
             return "stop"
         if tok in p.stop_token_ids:
             r.matched_stop = tok
+            return "stop"
+        if r.grammar is not None and r.grammar.done:  # complete, whatever ignore_eos says
+            r.matched_stop = tok if tok in r.eos_ids else None
             return "stop"
         if len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context:
             return "length"
