@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.engine import run_ours, workload_a  # noqa: E402
+from bench.engine import run_ours, toy_a  # noqa: E402
 from worker.engine import Engine, SamplingParams  # noqa: E402
 from worker.engine.batch import ForwardBatch, ForwardMode  # noqa: E402
 from worker.engine.cuda_graph import CudaGraphRunner, batch_sizes  # noqa: E402
@@ -330,12 +330,12 @@ def run_hf(hf, work, batch, dev) -> float:
 
 
 def throughput(engine, hf, cfg, vocab, dev):
-    work = workload_a(vocab, cfg["items"], random.Random(0))
+    work = toy_a(vocab, random.Random(0), cfg["items"])
     warm = [(ids, 8) for ids, _ in work[:2]]
     run_ours(engine, warm, 1)
     run_hf(hf, warm, 2, dev)
     engine.flush_cache()
-    t_ours, _ = run_ours(engine, work, 1)
+    t_ours, _, _ = run_ours(engine, work, 1)
     t_hf = run_hf(hf, work, cfg["hf_batch"], dev)
     out = sum(o for _, o in work)
     return dict(items=len(work), hf_batch=cfg["hf_batch"], out_tokens=out,
