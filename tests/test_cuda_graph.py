@@ -45,8 +45,8 @@ def test_scratch_row_never_handed_out(llama_path):
     assert eng.runner.graphs is None  # off on a CPU
     pool = runner.req_to_token
     rows = [pool.alloc() for _ in range(3)]
-    assert pool.alloc() is None and runner.scratch_row not in rows
-    assert not runner.req_to_token.table[runner.scratch_row].any()
+    assert pool.alloc() is None and pool.scratch_row not in rows
+    assert not runner.req_to_token.table[pool.scratch_row].any()
 
 
 def test_sizing_warmup_forward(llama_path):
@@ -55,7 +55,7 @@ def test_sizing_warmup_forward(llama_path):
     eng = Engine(llama_path, max_running=2, page_size=16)
     runner, c = eng.runner, eng.runner.config
     kv = KVPool(c.num_layers, 2500 // 16 + 2, 16, c.num_kv_heads, c.head_dim, runner.dtype, "cpu")
-    runner._warmup(kv, 2500)
+    runner._warmup(kv, runner.req_to_token, 2500)
     assert runner.req_to_token.num_free == 2 and not runner.req_to_token.table.any()
     written = kv.k[1].abs().sum((1, 2)) > 0
     assert written[16:16 + 2048].all() and not written[:16].any() and not written[16 + 2048:].any()
@@ -105,7 +105,7 @@ def test_padded_run_equals_eager(llama_path, backend):
     # Padded to 4: row 3 is padding; rows 0..2 are the batch's inputs.
     for i, name in enumerate(FIELDS):
         assert torch.equal(graphs.buf[i, :3], getattr(fb, name)), name
-    assert graphs.buf[:, 3].tolist() == [0, 0, 0, runner.scratch_row, 1, 0]
+    assert graphs.buf[:, 3].tolist() == [0, 0, 0, runner.req_to_token.scratch_row, 1, 0]
     assert graphs.batches[4].seq_lens_cpu == [5, 17, 30, 1]
     # The padded row wrote only the scratch slot 0; every other slot is as in the eager run
     # (up to rounding: the projections ran with 4 rows instead of 3).
@@ -113,7 +113,7 @@ def test_padded_run_equals_eager(llama_path, backend):
     for t, r, b in zip(kv.k + kv.v, after_ref, before):
         assert set((t != b).flatten(1).any(1).nonzero().flatten().tolist()) == written
         torch.testing.assert_close(t[1:], r[1:], atol=1e-4, rtol=1e-4)
-    assert not runner.req_to_token.table[runner.scratch_row].any()
+    assert not runner.req_to_token.table[runner.req_to_token.scratch_row].any()
 
     # A 1-token chunk of a longer prompt wants no logits: only the rows asked for come back.
     fb.logits_idx = torch.tensor([0, 2])

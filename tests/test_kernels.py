@@ -129,7 +129,7 @@ def _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, gen, pad_ro
 
 
 def _run(backend, fb, q, k, v):
-    backend.prepare(fb)
+    fb.attn_meta = backend.prepare(fb)
     return backend.forward(q, k, v, 1, fb)
 
 
@@ -172,7 +172,7 @@ def test_shared_prefix_decode_equals_plain(dtype):
     be = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32)
     plain = _run(be, fb, q, k, v)
     fb.shared = [SharedGroup([0, 1, 2, 3], p)]
-    be.prepare(fb)
-    assert be.meta.shared and not be.meta.dec  # the grouped path really ran
+    fb.attn_meta = be.prepare(fb)
+    assert fb.attn_meta.shared and not fb.attn_meta.dec  # the grouped path really ran
     shared = be.forward(q, k, v, 1, fb)
     torch.testing.assert_close(shared, plain, **TOL[dtype])

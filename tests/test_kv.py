@@ -6,15 +6,14 @@ import torch
 
 from worker.engine.kv_manager import KVManager
 from worker.engine.kv_pool import KVPool, PageAllocator, ReqToTokenPool
-from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req
 from worker.engine.sampling_params import SamplingParams
 
 
 def make(page_size, num_pages=64, max_reqs=8, enabled=True):
     kv = KVPool(1, num_pages, page_size, 1, 4, torch.float32, "cpu")
-    rtt = ReqToTokenPool(max_reqs, 512, "cpu")
-    return KVManager(kv, rtt, RadixCache(kv.allocator, enabled))
+    rtt = ReqToTokenPool(max_reqs + 1, 512, "cpu")  # + the scratch row
+    return KVManager(kv, rtt, enabled)
 
 
 def req(ids, rid="r"):
@@ -91,7 +90,7 @@ def test_locked_prefix_is_not_evicted():
     b = req(list(range(30)) + [99], "b")
     kvm.admit(b)
     assert b.prefix_len == 30
-    assert kvm.cache.evict(100) == 0  # all of it is locked by b
+    assert kvm.evict(100) == 0  # all of it is locked by b
     other = req([5] * 20, "o")
     kvm.admit(other)
     assert kvm.alloc_extend(other, 20) is None  # only 10 free, nothing evictable

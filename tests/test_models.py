@@ -78,7 +78,7 @@ class Session:
             prefix_lens=torch.tensor(prefix), extend_lens=torch.tensor(ext),
             extend_start_loc=starts, seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=ext, req_to_token=self.rtt.table, kv=self.kv, attn=self.attn)
-        self.attn.prepare(fb)
+        fb.attn_meta = self.attn.prepare(fb)
         with torch.inference_mode():
             logits = self.model.logits(self.model(fb.input_ids, fb.positions, fb))
         self.lens = seq

@@ -59,7 +59,7 @@ def poison(eng, monkeypatch, where):
     its stop_token_ids and 2 tokens already raises. Returns the new-token counts of each
     batch that raised."""
     failed, last = [], []
-    real_forward, real_sampler = eng.runner.forward, eng.scheduler.sampler
+    real_forward, real_sampler = eng.runner.forward, eng.executor.sampler
 
     def forward(fb):
         last[:] = fb.extend_lens_cpu
@@ -76,7 +76,7 @@ def poison(eng, monkeypatch, where):
         return real_sampler(logits, reqs)
 
     monkeypatch.setattr(eng.runner, "forward", forward)
-    monkeypatch.setattr(eng.scheduler, "sampler", sampler)
+    monkeypatch.setattr(eng.executor, "sampler", sampler)
     return failed
 
 
@@ -221,7 +221,7 @@ def test_fault_in_every_request_raises_engine_error(llama_path, monkeypatch, whe
         calls.append(1)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(*((eng.runner, "forward") if where == "forward" else (eng.scheduler, "sampler")),
+    monkeypatch.setattr(*((eng.runner, "forward") if where == "forward" else (eng.executor, "sampler")),
                         broken)
     with pytest.raises(EngineError, match="device lost"):
         eng.step()
@@ -245,7 +245,7 @@ def test_bookkeeping_fault_raises_engine_error(llama_path, monkeypatch):
     def schedule():
         raise IndexError("bad row")
 
-    monkeypatch.setattr(eng.scheduler, "_schedule", schedule)
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
     with pytest.raises(EngineError, match="IndexError: bad row") as err:
         eng.step()
     assert isinstance(err.value.__cause__, IndexError)

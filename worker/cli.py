@@ -28,6 +28,7 @@ import redis
 from api import batchfile, tenants
 from results.client import ApiError
 from worker import logs
+from worker.engine.config import EngineConfig
 from worker.engine.sampling_params import SamplingParams
 from worker.redis_server import RedisStartError, default_data_dir
 
@@ -131,12 +132,12 @@ def cmd_worker(args) -> None:
     logs.setup()
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
-    engine = Engine(args.model, **engine_options(args))
+    engine = Engine(args.model, engine_config(args))
     r = engine.runner
     logging.getLogger("fanout.worker").info(
         "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
         args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
-        r.kv_tokens // r.page_size, r.page_size, r.mem["kv"] / 2**20, args.max_running)
+        r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
     consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
@@ -168,7 +169,11 @@ def _forward(args, options: dict[str, dict]) -> list[str]:
     out = []
     for flag in options:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        elif value is not None:
             out += [flag, str(value)]
     return out
 
@@ -273,7 +278,7 @@ def cmd_generate(args) -> None:
     from worker.engine import Engine
 
     spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
-    engine = Engine(args.model, **engine_options(args))
+    engine = Engine(args.model, engine_config(args))
     kind, items, params = spec.kind, spec.items, spec.sampling_params
     if kind == "messages":
         tok = engine.tokenizer
@@ -335,16 +340,31 @@ def _scalar(t) -> type:
     return t
 
 
-# Engine options: `fanout worker`, `fanout up` (passed on to its worker) and `fanout generate`.
-ENGINE_OPTIONS = {
-    "--dtype": dict(default=None, help="float32, bfloat16 or float16 (default: float32 on a CPU, "
-                                       "bfloat16 on a GPU)"),
-    "--page-size": dict(type=int, default=16, help="tokens per KV cache page"),
-    "--kv-tokens": dict(type=int, default=None, help="KV cache size in tokens (default: on a GPU, most "
-                                                     "of the memory left after the weights; on a CPU, "
-                                                     "2 GiB or 64 full contexts)"),
-    "--max-running": dict(type=int, default=256, help="requests in the engine at once"),
-}
+def _engine_flag(f: dataclasses.Field, hint) -> tuple[str, dict[str, Any]]:
+    """The flag of an EngineConfig field (hint: its resolved type): name, default and help
+    come from the field (the CLI's own default where it gives one, its environment variable
+    first)."""
+    meta = f.metadata
+    default = f.default if meta["cli_default"] is None else meta["cli_default"]
+    help_ = meta["help"]
+    if meta["env"]:
+        default = ENV(meta["env"]) or default
+        help_ += f" (env {meta['env']})"
+    kw: dict[str, Any] = {"default": default, "help": help_}
+    kind = _scalar(hint)
+    if kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw["type"] = kind
+    if list in (typing.get_origin(t) for t in (hint, *typing.get_args(hint))):
+        kw["nargs"] = "+"
+    return "--" + f.name.replace("_", "-"), kw
+
+
+# Engine options, one per EngineConfig field: `fanout worker`, `fanout up` (passed on to its
+# worker) and `fanout generate`.
+ENGINE_OPTIONS = dict(_engine_flag(f, typing.get_type_hints(EngineConfig)[f.name])
+                      for f in dataclasses.fields(EngineConfig))
 # Worker options: `fanout worker` and `fanout up`.
 WORKER_OPTIONS = {
     "--drain-timeout": dict(type=float, default=30.0, help="seconds running jobs get to finish after "
@@ -364,10 +384,9 @@ WORKER_OPTIONS = {
 }
 
 
-def engine_options(args) -> dict[str, Any]:
-    """Engine(...) keyword arguments from the flags."""
-    return {"device": args.device, **{f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"))
-                                      for f in ENGINE_OPTIONS}}
+def engine_config(args) -> EngineConfig:
+    """The EngineConfig of the flags."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def _options(p, options: dict[str, dict]) -> None:
@@ -377,8 +396,6 @@ def _options(p, options: dict[str, dict]) -> None:
 
 def _model_flags(p, model_help: str) -> None:
     p.add_argument("--model", default=ENV("FANOUT_MODEL"), help=model_help + " (env FANOUT_MODEL)")
-    p.add_argument("--device", default=ENV("FANOUT_DEVICE") or "auto",
-                   help="cpu, cuda, cuda:N, or auto: cuda if there is one (env FANOUT_DEVICE)")
 
 
 def _default_device() -> str:

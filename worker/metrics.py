@@ -66,8 +66,7 @@ class _EngineState:
         self.consumer, self.labels = consumer, [name]
 
     def collect(self):
-        engine = self.consumer.engine
-        sched, kvm = engine.scheduler, engine.kv_manager
+        stats = self.consumer.engine.stats()
 
         def family(kind, metric, doc, value):
             f = kind(metric, doc, labels=["worker"])
@@ -76,18 +75,18 @@ class _EngineState:
 
         # The counters' names get _total in the exposition.
         yield family(CounterMetricFamily, "fanout_prefill_tokens", "Tokens run through prefill (prompts "
-                     "not served by the prefix cache, and recomputation)", sched.prefill_tokens_total)
+                     "not served by the prefix cache, and recomputation)", stats.prefill_tokens)
         yield family(CounterMetricFamily, "fanout_decode_tokens", "Tokens decoded (each sample's first "
-                     "token comes out of its prefill)", sched.decode_tokens_total)
+                     "token comes out of its prefill)", stats.decode_tokens)
         yield family(CounterMetricFamily, "fanout_retractions", "Requests sent back to waiting when "
-                     "the KV cache ran short", sched.num_retractions)
+                     "the KV cache ran short", stats.retractions)
         yield family(CounterMetricFamily, "fanout_engine_step_failures", "Engine steps that raised (the "
-                     "requests that caused it end with an error; the rest carry on)", sched.failed_steps)
+                     "requests that caused it end with an error; the rest carry on)", stats.failed_steps)
         yield family(GaugeMetricFamily, "fanout_requests_running", "Requests holding KV",
-                     len(sched.running))
+                     stats.running)
         yield family(GaugeMetricFamily, "fanout_requests_waiting", "Requests waiting for KV",
-                     len(sched.waiting))
-        total, free, cached = kvm.alloc.total, kvm.alloc.num_free, kvm.cache.cached_pages
+                     stats.waiting)
+        total, free, cached = stats.kv_pages_total, stats.kv_pages_free, stats.kv_pages_cached
         yield family(GaugeMetricFamily, "fanout_kv_pages_capacity", "KV cache pages", total)
         yield family(GaugeMetricFamily, "fanout_kv_pages_used", "KV pages held by requests alone",
                      total - free - cached)

@@ -68,7 +68,7 @@ def _run_children(args, redis_url: str, model: str, worker_flags: list[str]) -> 
     env = {**os.environ, "REDIS_URL": redis_url}
     me = [sys.executable, "-m", "worker.cli"]
     name = f"fanout-up-{socket.gethostname()}-{os.getpid()}"
-    children = {"worker": me + ["worker", "--model", model, "--device", args.device, "--name", name,
+    children = {"worker": me + ["worker", "--model", model, "--name", name,
                                 *worker_flags],
                 "API": me + ["api", "--host", args.host, "--port", str(args.port)]}
     if args.cron:

@@ -5,7 +5,7 @@ does not pull in torch.
 """
 from importlib import import_module
 
-_WHERE = {"Engine": ".engine", "EngineError": ".scheduler", "Event": ".events",
+_WHERE = {"Engine": ".engine", "EngineConfig": ".config", "EngineError": ".executor", "Event": ".events",
           "ItemResult": ".events", "SampleResult": ".events", "Usage": ".events",
           "SamplingParams": ".sampling_params"}
 

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+from .kv_pool import KVPool
+from .req import Req
+
+if TYPE_CHECKING:
+    from .attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(IntEnum):
@@ -31,15 +37,16 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64
-    kv: Any  # KVPool
-    attn: Any = None  # the attention backend, with metadata prepared for this batch
+    kv: KVPool
+    attn: AttentionBackend | None = None  # set by the model runner before the forward
+    attn_meta: AttentionMetadata | None = None  # attn's metadata for this batch
     # Rows of [T] whose logits the runner computes: the last new token of each request,
     # or every new token for requests that asked for prompt logits.
     logits_idx: torch.Tensor | None = None
     # One-token rows whose cached prefixes start with the same radix-tree nodes (n > 1
     # samples, a common system prompt): backends may attend to that common prefix once for
     # the whole group. None when no group is worth it.
-    shared: list | None = None  # list[SharedGroup]
+    shared: list[SharedGroup] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -60,9 +67,9 @@ class SharedGroup:
 class ScheduleBatch:
     """The requests of one step and how many new tokens each runs (slots already allocated)."""
     SHARED_MIN = 64  # a shorter common prefix is not worth a separate attention pass
-    reqs: list  # list[Req]
+    reqs: list[Req]
     extend_lens: list[int]
-    out_cache_loc: list  # slot tensors, concatenated in request order (decodes in one)
+    out_cache_loc: list[torch.Tensor]  # slot tensors, concatenated in request order (decodes in one)
 
     def halves(self, req_to_token: torch.Tensor) -> tuple[ScheduleBatch, ScheduleBatch]:
         """The batch in two, for running again as two steps (fault isolation). Each half keeps
@@ -78,7 +85,7 @@ class ScheduleBatch:
         r = self.reqs[i]
         return r.kv_len + self.extend_lens[i] == r.seq_len
 
-    def to_forward_batch(self, kv, req_to_token: torch.Tensor, device,
+    def to_forward_batch(self, kv: KVPool, req_to_token: torch.Tensor, device: torch.device,
                          group_shared: bool = False) -> ForwardBatch:
         ids, pos, logit_rows = [], [], []
         prefix, seq, starts = [], [], []
@@ -108,7 +115,7 @@ class ScheduleBatch:
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
             logits_idx=tensor(logit_rows), shared=self._shared_groups() if group_shared else None)
 
-    def _shared_groups(self) -> list | None:
+    def _shared_groups(self) -> list[SharedGroup] | None:
         """Group one-token rows by the first radix node of their borrowed prefix; a group's
         common prefix is the longest run of nodes on every row's path."""
         paths: dict[int, list[tuple[int, list]]] = {}

@@ -14,10 +14,15 @@ check the padding through that path.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from .batch import ForwardBatch, ForwardMode
+from .kv_pool import KVPool, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
 
 # Rows of the static input buffer, in order.
 FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
@@ -52,33 +57,35 @@ def pick_size(sizes: list[int], n: int) -> int | None:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, sizes: list[int], capture: bool = True, kv=None):
-        """runner: the ModelRunner (model, attention backend, req_to_token, scratch_row);
-        kv: the KV pool the graphs bind (default runner.kv)."""
+    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True,
+                 kv: KVPool | None = None, req_to_token: ReqToTokenPool | None = None):
+        """runner: the ModelRunner (model, attention backend); kv and req_to_token: the pools
+        the graphs bind (default: the runner's; start-up sizing passes temporary ones)."""
         self.runner = runner
         self.sizes = sorted(sizes)
         self.max_bs = self.sizes[-1]
         dev = runner.device
+        rtt = req_to_token or runner.req_to_token
         self.buf = torch.zeros(len(FIELDS), self.max_bs, dtype=torch.int64, device=dev)
-        self.pad = torch.tensor([0, 0, 0, runner.scratch_row, 1, 0], dtype=torch.int64,
+        self.pad = torch.tensor([0, 0, 0, rtt.scratch_row, 1, 0], dtype=torch.int64,
                                 device=dev)[:, None]  # a padded row's value of each field
         self.buf[:] = self.pad
         self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
         self.arange = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(self.max_bs, runner.config.vocab_size, dtype=torch.float32,
                                   device=dev)
-        self.batches = {bs: self._batch(bs, kv or runner.kv) for bs in self.sizes}
+        self.batches = {bs: self._batch(bs, kv or runner.kv, rtt) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture()
 
-    def _batch(self, bs: int, kv) -> ForwardBatch:
+    def _batch(self, bs: int, kv: KVPool, rtt: ReqToTokenPool) -> ForwardBatch:
         """The static ForwardBatch of size bs: views of the shared buffers."""
         f = {name: self.buf[i, :bs] for i, name in enumerate(FIELDS)}
         return ForwardBatch(
             mode=ForwardMode.DECODE, **f, extend_lens=self.ones[:bs],
             extend_start_loc=self.arange[:bs], seq_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
-            extend_lens_cpu=[1] * bs, req_to_token=self.runner.req_to_token.table, kv=kv,
+            extend_lens_cpu=[1] * bs, req_to_token=rtt.table, kv=kv,
             logits_idx=self.arange[:bs])
 
     def forward(self, bs: int) -> None:
@@ -87,15 +94,19 @@ class CudaGraphRunner:
 
     def _capture(self) -> None:
         # Capture with every row padding; a warm-up run first compiles the Triton kernels
-        # and lets cuBLAS pick its kernels outside the capture.
+        # and lets cuBLAS pick its kernels outside the capture. The attention metadata is
+        # made once per size (the backend's capture hook) and refreshed before each replay.
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
+        attn = self.runner.attn
         for bs in reversed(self.sizes):
             self.forward(bs)
             torch.cuda.synchronize()
+            sb = self.batches[bs]
+            sb.attn, sb.attn_meta = attn, attn.prepare_capture(sb)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.forward(bs)
+                self.logits[:bs].copy_(self.runner.run_model(sb))
             self.graphs[bs] = g
         torch.cuda.synchronize()
 
@@ -122,6 +133,8 @@ class CudaGraphRunner:
         n = fb.batch_size
         bs = self.load(fb)
         if self.graphs:
+            sb = self.batches[bs]
+            self.runner.attn.prepare_replay(sb, sb.attn_meta)
             self.graphs[bs].replay()
         else:
             self.forward(bs)

@@ -1,60 +1,73 @@
-"""The engine: model runner + scheduler + fan-out/fan-in front, driven step by step.
+"""The engine: model runner, KV manager, scheduler, executor and the fan-out/fan-in front,
+driven step by step.
 
 The worker drives it with add / step / abort; `generate` is the offline call built on
-the same steps.
+the same steps. One step: Scheduler.schedule -> Executor.run (forward + sample) ->
+Scheduler.process (apply, finish) -> Front.collect (events).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
+from .config import EngineConfig
 from .events import Event, ItemResult, SampleResult
+from .executor import EngineError, Executor, RunOutput
 from .front import Front
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
-from .models.loader import load_tokenizer, resolve_dtype
-from .radix_cache import RadixCache
+from .models.loader import load_tokenizer
 from .req import Req
 from .sampler import Sampler
 from .sampling_params import SamplingParams, per_item
-from .scheduler import EngineError, Scheduler, SchedulerConfig
+from .scheduler import Scheduler
 
 log = logging.getLogger("fanout.engine")
 
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters and gauges for metrics."""
+    prefill_tokens: int  # run through prefill (prompts not served by the cache, recomputation)
+    decode_tokens: int
+    retractions: int
+    failed_steps: int  # steps whose forward raised
+    running: int  # requests holding KV
+    waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int  # in the radix cache (some shared by running requests)
+
+
 class Engine:
-    def __init__(self, model: str, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 page_size: int = 16, kv_tokens: int | None = None,
-                 kv_memory_fraction: float = 0.85, max_running: int = 256,
-                 max_prefill_tokens: int = 2048, enable_prefix_cache: bool = True,
-                 attention_backend: str = "auto", cuda_graph: bool = True,
-                 cuda_graph_max_bs: int | None = None,
-                 cuda_graph_batch_sizes: list[int] | None = None):
-        dev = torch.device(device)
-        # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
-        dtype = resolve_dtype(dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
-        if page_size < 1:
-            raise ValueError("page_size: must be >= 1")
+    def __init__(self, model: str, config: EngineConfig | None = None, **options):
+        """`config`, or its fields as keywords (`Engine(path, device="cuda", kv_tokens=...)`)."""
+        if config is not None and options:
+            raise TypeError("give config or its fields as keywords, not both")
+        self.config = cfg = config or EngineConfig(**options)
         self.tokenizer = load_tokenizer(model)
-        self.runner = ModelRunner(model, dev, dtype, page_size, kv_tokens, kv_memory_fraction,
-                                  max_running, attention_backend, max_prefill_tokens,
-                                  cuda_graph, cuda_graph_max_bs, cuda_graph_batch_sizes)
-        cfg = self.runner.config
-        self.max_context = cfg.max_context
-        self.kv_manager = KVManager(self.runner.kv, self.runner.req_to_token,
-                                    RadixCache(self.runner.kv.allocator, enable_prefix_cache))
-        self.scheduler = Scheduler(self.runner, self.kv_manager, Sampler(cfg.vocab_size, dev),
-                                   SchedulerConfig(max_running, max_prefill_tokens))
-        eos = set(cfg.eos_token_ids)
+        self.runner = ModelRunner(model, cfg)
+        mc = self.runner.config
+        self.max_context = mc.max_context
+        self.kv_manager = KVManager.create(mc, self.runner.kv_tokens_to_allocate(), cfg.page_size,
+                                           cfg.max_running, cfg.enable_prefix_cache,
+                                           self.runner.dtype, self.runner.device)
+        self.runner.attach_kv(self.kv_manager.kv, self.kv_manager.rtt)
+        self.scheduler = Scheduler(cfg, self.kv_manager, self.max_context)
+        self.executor = Executor(self.runner, Sampler(mc.vocab_size, self.runner.device),
+                                 self.kv_manager)
+        eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
-                           self.runner.kv_tokens, eos, cfg.vocab_size)
+                           self.kv_manager.num_tokens, eos, mc.vocab_size)
 
     # -- step-level interface (the worker drives these) --------------------------
 
-    def add(self, tag: Any, items: list[tuple], sampling_params, seed: int | None = None,
+    def add(self, tag: object, items: list[tuple], sampling_params, seed: int | None = None,
             sink: Callable[[Event], None] | None = None) -> int:
         """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
         to sink, or are returned by step() when no sink is given. Returns the job seed."""
@@ -65,13 +78,14 @@ class Engine:
         the step fail ends alone, with finish_reason "error"; the only exception raised is
         EngineError, when no request can be blamed (the worker then gives up its jobs)."""
         self._advance()
-        out, self.front.outbox = self.front.outbox, []
-        return out
+        return self.front.take_events()
 
     def _advance(self) -> None:
-        """One step whose sink-less events stay in the outbox for the next step() caller."""
+        """One step whose sink-less events stay with the front for the next step() caller."""
         try:  # free until something raises
-            self.front.collect(self.scheduler.step())
+            batch = self.scheduler.schedule()
+            run = self.executor.run(batch) if batch is not None else RunOutput()
+            self.front.collect(self.scheduler.process(run))
         except EngineError:
             raise
         except Exception as e:
@@ -79,24 +93,30 @@ class Engine:
             # fan-in): batch building or KV bookkeeping, whose state is now in doubt.
             raise EngineError(f"engine step failed: {type(e).__name__}: {e}") from e
 
-    def abort(self, tag: Any) -> int:
+    def abort(self, tag: object) -> int:
         """Abort every request of tag; their KV is freed now. Returns how many."""
         return self.front.abort(tag)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.front.outbox)
+        return self.scheduler.has_work() or self.front.has_events()
 
     def has_room(self) -> bool:
-        """Worth taking another job now: the waiting queue is short."""
-        return len(self.scheduler.waiting) < max(8, self.scheduler.cfg.max_running // 4)
+        """Worth taking another job now."""
+        return self.scheduler.has_room()
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""
-        return self.kv_manager.cache.evict(self.kv_manager.cache.evictable_pages)
+        return self.kv_manager.flush_cache()
 
     def check(self) -> None:
         """KV invariant (free + cached + in use == total)."""
         self.scheduler.check()
+
+    def stats(self) -> EngineStats:
+        s, kvm = self.scheduler, self.kv_manager
+        return EngineStats(s.prefill_tokens_total, s.decode_tokens_total, s.num_retractions,
+                           self.executor.failed_steps, len(s.running), len(s.waiting),
+                           kvm.alloc.total, kvm.alloc.num_free, kvm.cache.cached_pages)
 
     # -- offline interface -------------------------------------------------------
 

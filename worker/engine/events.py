@@ -14,7 +14,6 @@ outside its position's top tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(slots=True)
@@ -29,7 +28,7 @@ class Event:
     """One step's news for one (index, sample) of a caller's batch. Deltas concatenate to
     the final text; the final event (finished=True) carries the full result too. Logprobs
     are None unless the request asked."""
-    tag: Any
+    tag: object  # the caller's opaque handle, as given to add
     index: int
     sample: int
     text_delta: str = ""
@@ -42,7 +41,7 @@ class Event:
     token_ids: list[int] | None = None
     logprobs: list[dict] | None = None  # records of token_ids
     usage: Usage | None = None
-    matched_stop: Any = None  # the stop string or token id that ended it
+    matched_stop: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass(slots=True)
@@ -53,7 +52,7 @@ class SampleResult:
     usage: Usage
     error: str | None = None
     logprobs: list[dict] | None = None  # one record per token of token_ids, when asked
-    matched_stop: Any = None
+    matched_stop: str | int | None = None
 
 
 @dataclass(slots=True)

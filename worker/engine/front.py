@@ -15,14 +15,16 @@ import itertools
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from .detokenizer import Detokenizer
 from .events import Event, Usage
 from .grammar import GrammarError, Grammars
 from .req import Req
 from .sampling_params import SamplingParams, per_item
-from .scheduler import step_error
+from .scheduler import Scheduler, StepResult, step_error
+
+Sink = Callable[[Event], None]
 
 log = logging.getLogger("fanout.engine")
 
@@ -45,20 +47,20 @@ class _Stream:
     """Fan-in state of one rid."""
     req: Req
     detok: Detokenizer
-    sink: Callable[[Event], None] | None
+    sink: Sink | None
     logprobs: list[dict] | None = None  # records of the tokens so far, when asked
 
 
 @dataclass(slots=True)
 class _Warmup:
     req: Req
-    samples: list  # Reqs to add once the warm-up has prefilled the shared prompt
-    sink: Callable[[Event], None] | None
+    samples: list[Req]  # to add once the warm-up has prefilled the shared prompt
+    sink: Sink | None
 
 
 class Front:
-    def __init__(self, scheduler, tokenizer, max_context: int, kv_tokens: int, eos_ids,
-                 vocab_size: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, max_context: int, kv_tokens: int,
+                 eos_ids: set[int], vocab_size: int):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -68,7 +70,7 @@ class Front:
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
         self.streams: dict[str, _Stream] = {}
         self.warmups: dict[str, _Warmup] = {}
-        self.outbox: list[Event] = []  # events made outside a step (errors, aborts)
+        self.outbox: list[Event] = []  # events without a sink, until take_events()
         self.pieces: dict[int, str] = {}  # token id -> its text alone, for logprobs records
         self._ids = itertools.count()
         self.warmup_count = 0
@@ -83,8 +85,8 @@ class Front:
         return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
                 else list(p) for p in prompts]
 
-    def add(self, tag: Any, items: list[tuple], params, seed: int | None,
-            sink: Callable[[Event], None] | None) -> int:
+    def add(self, tag: object, items: list[tuple], params, seed: int | None,
+            sink: Sink | None) -> int:
         """items: (index, prompt or None, input_ids or None); params: one SamplingParams for
         all or one per item (see sampling_params.per_item). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
@@ -114,7 +116,7 @@ class Front:
                                               [] if p.logprobs else None)
             if error:
                 for r in reqs:
-                    r.finish_reason, r.error = "error", error
+                    self.scheduler.finish(r, "error", error)
                     self._emit(self._final(self.streams.pop(r.rid), ""), sink)
             elif p.n > 1:
                 key = tuple(ids)
@@ -145,14 +147,22 @@ class Front:
                     f"the KV pool ({self.kv_tokens} tokens)")
         return None
 
-    def abort(self, tag: Any) -> int:
+    def take_events(self) -> list[Event]:
+        """The events without a sink made since the last call."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    def has_events(self) -> bool:
+        return bool(self.outbox)
+
+    def abort(self, tag: object) -> int:
         n = 0
         for rid, w in list(self.warmups.items()):
             if w.req.tag == tag:
                 del self.warmups[rid]
                 self.scheduler.abort(rid)
                 for r in w.samples:
-                    r.finish_reason = "abort"
+                    self.scheduler.finish(r, "abort")
                     self._emit(self._final(self.streams.pop(r.rid), ""), w.sink)
                     n += 1
         for rid, s in list(self.streams.items()):
@@ -163,24 +173,24 @@ class Front:
 
     # -- fan-in ------------------------------------------------------------------
 
-    def collect(self, result) -> None:
+    def collect(self, result: StepResult) -> None:
         """Turn one scheduler step into events (sent to sinks or the outbox). A fault in one
         request's part (detokenizing, stop strings, logprobs records) ends that request alone."""
         finished = {id(r) for r in result.finished}
-        for req, toks in result.updated:
+        for req, tok in result.tokens:
             s = self.streams.get(req.rid)
             if s is None:
                 continue
             try:  # free until something raises
-                self._push(s, toks, id(req) in finished)
+                self._push(s, [tok], id(req) in finished)
             except Exception as e:
-                self._fail(s, e, toks)
+                self._fail(s, e, [tok])
         for req in result.finished:
             w = self.warmups.pop(req.rid, None)
             if w is not None:  # fan out the n samples on top of the warmed prefix
                 for r in w.samples:
                     if req.finish_reason == "error":  # the samples' prefill would fail too
-                        r.finish_reason, r.error = "error", req.error
+                        self.scheduler.finish(r, "error", req.error)
                         self._emit(self._final(self.streams.pop(r.rid), ""), w.sink)
                     else:
                         self.scheduler.add(r)
@@ -194,9 +204,8 @@ class Front:
     def _push(self, s: _Stream, toks: list[int], finished: bool) -> None:
         req = s.req
         delta, stop = s.detok.push(toks)
-        if stop is not None and not req.finished:
-            req.matched_stop = stop
-            self.scheduler.finish(req, "stop")
+        if stop is not None and not req.finished:  # decided here, applied in the one place
+            self.scheduler.finish(req, "stop", matched_stop=stop)
             finished = True
         if finished:
             self._emit(self._final(s, delta + s.detok.flush(), toks), s.sink)
@@ -205,17 +214,14 @@ class Front:
             self._emit(Event(req.tag, req.index, req.sample, delta, list(toks),
                              self._logprobs(s)), s.sink)
 
-    def _fail(self, s: _Stream, exc: Exception, toks=()) -> None:
+    def _fail(self, s: _Stream, exc: Exception, toks: list[int] | tuple = ()) -> None:
         """End s's request with an error, its KV released. Its final event is built from
         what is already known, since making more failed: the text made so far (its delta the
         part not sent yet) and the step's tokens toks; logprobs records only of earlier ones."""
         r = s.req
         log.error("request %s failed in fan-in; it ends with an error", r.rid, exc_info=exc)
         error = step_error(exc)
-        if r.finished:  # in the scheduler already, KV released: only the reason changes
-            r.finish_reason, r.error = "error", error
-        else:
-            self.scheduler.finish(r, "error", error)
+        self.scheduler.finish(r, "error", error)
         self.streams.pop(r.rid, None)
         self._emit(Event(r.tag, r.index, r.sample, s.detok.unsent, list(toks), finished=True,
                          finish_reason="error", error=error, text=s.detok.text,
@@ -240,12 +246,12 @@ class Front:
             piece = self.pieces[token_id] = self.tokenizer.decode([token_id])
         return piece
 
-    def _final(self, s: _Stream, delta: str, toks=()) -> Event:
+    def _final(self, s: _Stream, delta: str, toks: list[int] | tuple = ()) -> Event:
         r = s.req
         usage = Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))
         return Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
                      r.finish_reason, r.error, s.detok.text, list(r.output_ids), s.logprobs, usage,
                      r.matched_stop)
 
-    def _emit(self, ev: Event, sink) -> None:
+    def _emit(self, ev: Event, sink: Sink | None) -> None:
         (sink or self.outbox.append)(ev)

@@ -1,4 +1,6 @@
-"""Request-level KV bookkeeping over the pools and the radix cache (nano-vllm's block manager).
+"""The one owner of KV memory: the pools, their free lists and the radix cache over them
+(nano-vllm's block manager). Every page and table row is allocated and freed here; the
+radix cache hands the pages it evicts back to this class.
 
 Invariant: free pages + pages cached in the tree + pages private to live requests == total.
 A request's private pages cover positions [prefix_len, alloc_len); its first prefix_len
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .kv_pool import KVPool, ReqToTokenPool
+from .models.config import ModelConfig
 from .radix_cache import RadixCache
 from .req import Req
 
@@ -18,13 +21,29 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class KVManager:
-    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, cache: RadixCache):
+    def __init__(self, kv: KVPool, req_to_token: ReqToTokenPool, enable_prefix_cache: bool = True):
         self.kv = kv
         self.rtt = req_to_token
-        self.cache = cache
+        self.cache = RadixCache(kv.page_size, enable_prefix_cache)
         self.alloc = kv.allocator
         self.ps = kv.page_size
         self.table = req_to_token.table
+
+    @classmethod
+    def create(cls, model: ModelConfig, kv_tokens: int, page_size: int, max_running: int,
+               enable_prefix_cache: bool, dtype: torch.dtype, device: torch.device) -> KVManager:
+        """Pools for kv_tokens tokens (rounded up to whole pages, plus the scratch page) and
+        max_running requests (plus the scratch row)."""
+        num_pages = max(2, kv_tokens // page_size + 1)
+        kv = KVPool(model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim,
+                    dtype, device)
+        return cls(kv, ReqToTokenPool(max_running + 1, model.max_context, device),
+                   enable_prefix_cache)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pool holds, the scratch page aside."""
+        return self.alloc.total * self.ps
 
     @property
     def available_pages(self) -> int:
@@ -53,7 +72,7 @@ class KVManager:
         start, end = req.alloc_len, req.alloc_len + n
         need = self.pages_for(req, n)
         if need > self.alloc.num_free:
-            self.cache.evict(need - self.alloc.num_free)
+            self.evict(need - self.alloc.num_free)
         pages = self.alloc.alloc(need)
         if pages is None:
             return None
@@ -77,7 +96,7 @@ class KVManager:
         fresh = [r.alloc_len % self.ps == 0 for r in reqs]  # these start a new page
         need = sum(fresh)
         if need > self.alloc.num_free:
-            self.cache.evict(need - self.alloc.num_free)
+            self.evict(need - self.alloc.num_free)
         pages = self.alloc.alloc(need)
         if pages is None:
             return None
@@ -91,6 +110,16 @@ class KVManager:
         for r in reqs:
             r.alloc_len += 1
         return slots
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages cached pages that no request uses. Returns pages freed."""
+        pages = self.cache.evict(num_pages)
+        self.alloc.free(pages)
+        return len(pages)
+
+    def flush_cache(self) -> int:
+        """Drop every unreferenced prefix from the radix cache. Returns pages freed."""
+        return self.evict(self.cache.evictable_pages)
 
     def rollback(self, req: Req) -> None:
         """Undo a step's allocation that never ran: free the pages past the one holding

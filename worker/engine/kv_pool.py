@@ -1,4 +1,5 @@
 """KV memory: the request-to-token table, the paged token-to-KV pool and its allocator.
+KVManager (kv_manager.py) creates them and is the only one that allocates or frees.
 
 A slot is one token's K and V in every layer. Slots come in pages of `page_size`;
 slot = page * page_size + offset. Page 0 is reserved as a scratch page (padded rows
@@ -10,7 +11,7 @@ import torch
 
 
 class PageAllocator:
-    """Free list of pages. Invariant (checked by callers): free + cached + in use == total."""
+    """Free list of pages. Invariant (KVManager.check): free + cached + in use == total."""
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
@@ -53,13 +54,17 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Row r maps request r's token positions to KV slots (the `req_to_token` table)."""
+    """Row r maps request r's token positions to KV slots (the `req_to_token` table).
+
+    One row, `scratch_row`, is never handed out and stays all zeros: padded rows of a CUDA
+    graph batch point there, so they read and write only slot 0 of the scratch page."""
 
     def __init__(self, max_reqs: int, max_context: int, device):
         self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
         self._free = list(range(max_reqs - 1, -1, -1))
         self.max_reqs = max_reqs
         self.max_context = max_context
+        self.scratch_row = self._free.pop()
 
     @property
     def num_free(self) -> int:

@@ -1,5 +1,5 @@
-"""Loads the model, sizes the KV pool, captures the decode CUDA graphs, and runs one forward
-pass per ForwardBatch.
+"""Loads the model, sizes the KV pool (KVManager allocates it), captures the decode CUDA
+graphs, and runs one forward pass per ForwardBatch.
 
 Sizing on a GPU: after the weights are loaded, a warm-up forward of `max_prefill_tokens`
 tokens (logits for every one of them: the largest step the scheduler can run) measures peak
@@ -17,66 +17,78 @@ import torch
 
 from .attention.base import make_backend
 from .batch import ForwardBatch, ForwardMode
+from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, batch_sizes
 from .kv_pool import KVPool, ReqToTokenPool
-from .models.loader import load_model
+from .models.loader import load_model, resolve_dtype
 
 log = logging.getLogger("fanout.engine")
 MiB = 2**20
 
 
+def resolve_device(name: str) -> torch.device:
+    """A torch device; "auto" is cuda when there is one, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 class ModelRunner:
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, page_size: int,
-                 kv_tokens: int | None, kv_memory_fraction: float, max_running: int,
-                 attention_backend: str = "auto", max_prefill_tokens: int = 2048,
-                 cuda_graph: bool = True, cuda_graph_max_bs: int | None = None,
-                 cuda_graph_batch_sizes: list[int] | None = None):
-        if not 0 < kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {kv_memory_fraction}")
-        if max_running < 1:
-            raise ValueError(f"max_running: must be >= 1, got {max_running}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens: must be >= 1, got {max_prefill_tokens}")
-        if kv_tokens is not None and kv_tokens < 1:
-            raise ValueError(f"kv_tokens: must be >= 1, got {kv_tokens}")
-        sizes = batch_sizes(cuda_graph_max_bs, cuda_graph_batch_sizes, max_running)
-        self.device = device
-        self.dtype = dtype
-        self.model, self.config = load_model(model_path, dtype, device)
+    """Owns the model and the attention backend; uses (never allocates from) the KV pools
+    that `attach_kv` hands it."""
+
+    def __init__(self, model_path: str, cfg: EngineConfig):
+        self.device = resolve_device(cfg.device)
+        # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
+        self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        self.cfg = cfg
+        self.model, self.config = load_model(model_path, self.dtype, self.device)
         c = self.config
         self.max_context = c.max_context
-        self.page_size = page_size
-        # One row more than requests can hold: the scratch row of padded graph rows. Taken
-        # here and never freed, so the allocator never hands it out; its slots stay 0.
-        self.req_to_token = ReqToTokenPool(max_running + 1, c.max_context, device)
-        self.scratch_row = self.req_to_token.alloc()
-        self.attn = make_backend(attention_backend, device, num_heads=c.num_heads,
+        self.attn = make_backend(cfg.attention_backend, self.device, num_heads=c.num_heads,
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-        if not cuda_graph or device.type != "cuda":
-            sizes = []
-        elif attention_backend == "torch":  # host-side metadata per batch: not capturable
-            log.warning("CUDA graphs off: the torch attention backend cannot be captured")
-            sizes = []
+        self.graph_sizes: list[int] = []
+        if cfg.cuda_graph and self.device.type == "cuda":
+            if self.attn.supports_cuda_graph:
+                self.graph_sizes = batch_sizes(cfg.cuda_graph_max_bs, cfg.cuda_graph_batch_sizes,
+                                               cfg.max_running)
+            else:
+                log.warning("CUDA graphs off: the %s attention backend cannot be captured",
+                            type(self.attn).__name__)
         self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
-        if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.model.pack_weights()  # measured in fp32 only (oneDNN fp16 needs AVX512-FP16)
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
-        if kv_tokens is None:
-            kv_tokens = self._default_kv_tokens(per_token, kv_memory_fraction, max_prefill_tokens,
-                                                max(sizes, default=0))
-        num_pages = max(2, kv_tokens // page_size + 1)  # +1: the scratch page
-        self.kv = KVPool(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype, device)
-        self.kv_tokens = (num_pages - 1) * page_size
-        self.mem["kv"] = num_pages * page_size * per_token
-        log.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.kv_tokens, num_pages - 1,
-                 page_size, self.mem["kv"] / MiB)
+        self.kv: KVPool | None = None  # set by attach_kv
+        self.req_to_token: ReqToTokenPool | None = None
+        self.kv_tokens = 0
         self.graphs: CudaGraphRunner | None = None
+
+    def kv_tokens_to_allocate(self) -> int:
+        """The KV pool size: the configured one, else what the memory allows."""
+        if self.cfg.kv_tokens is not None:
+            return self.cfg.kv_tokens
+        c = self.config
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return self._default_kv_tokens(per_token, self.cfg.kv_memory_fraction,
+                                       self.cfg.max_prefill_tokens, max(self.graph_sizes, default=0))
+
+    def attach_kv(self, kv: KVPool, req_to_token: ReqToTokenPool) -> None:
+        """Bind the KV pools (KVManager's) for forward passes, then capture the CUDA graphs,
+        which hold the pools' addresses."""
+        self.kv, self.req_to_token = kv, req_to_token
+        self.kv_tokens = kv.allocator.total * kv.page_size
+        c = self.config
+        self.mem["kv"] = kv.num_slots * KVPool.bytes_per_token(c.num_layers, c.num_kv_heads,
+                                                               c.head_dim, self.dtype)
+        log.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.kv_tokens,
+                 kv.allocator.total, kv.page_size, self.mem["kv"] / MiB)
+        sizes = self.graph_sizes
         if sizes:
             torch.cuda.empty_cache()  # capture empties the cache too: do it before measuring
-            free = torch.cuda.mem_get_info(device)[0]
+            free = torch.cuda.mem_get_info(self.device)[0]
             t = time.perf_counter()
             self.graphs = CudaGraphRunner(self, sizes)
-            self.mem["graphs"] = free - torch.cuda.mem_get_info(device)[0]
+            self.mem["graphs"] = free - torch.cuda.mem_get_info(self.device)[0]
             log.info("CUDA graphs: %d batch sizes up to %d captured in %.1f s, %.1f MiB",
                      len(sizes), sizes[-1], time.perf_counter() - t, self.mem["graphs"] / MiB)
 
@@ -86,27 +98,30 @@ class ModelRunner:
             # CPU: enough for many full-context requests, at most 2 GiB.
             return min(2 * 2**30 // per_token, 64 * self.max_context)
         dev = self.device
-        ps = self.page_size
+        ps = self.cfg.page_size
         torch.cuda.synchronize(dev)
-        # A temporary pool just big enough for the warm-up batch.
+        # Temporary pools just big enough for the warm-up batch.
         kv = KVPool(self.config.num_layers, math.ceil(max_prefill_tokens / ps) + 1, ps,
                     self.config.num_kv_heads, self.config.head_dim, self.dtype, dev)
+        rtt = ReqToTokenPool(self.cfg.max_running + 1, self.max_context, dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        self._warmup(kv, max_prefill_tokens)
+        self._warmup(kv, rtt, max_prefill_tokens)
         self.mem["activations"] = torch.cuda.max_memory_allocated(dev) - base
         self.mem["graphs_estimate"] = 0
         if graph_bs:
             torch.cuda.reset_peak_memory_stats(dev)
-            probe = CudaGraphRunner(self, [graph_bs], capture=False, kv=kv)
+            probe = CudaGraphRunner(self, [graph_bs], capture=False, kv=kv, req_to_token=rtt)
             probe.forward(graph_bs)  # every row padding, as at capture
             torch.cuda.synchronize(dev)
             self.mem["graphs_estimate"] = torch.cuda.max_memory_allocated(dev) - base
             del probe
-        del kv
+        # The request-to-token table KVManager allocates next is as big as this one.
+        table_bytes = rtt.table.numel() * rtt.table.element_size()
+        del kv, rtt
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(dev)[0]
-        spare = free - self.mem["activations"] - self.mem["graphs_estimate"]
+        spare = free - table_bytes - self.mem["activations"] - self.mem["graphs_estimate"]
         log.info("GPU memory: %.0f MiB free after weights (%.0f MiB); warm-up activations "
                  "%.0f MiB, CUDA graphs about %.0f MiB; KV gets %.0f%% of the rest",
                  free / MiB, self.mem["weights"] / MiB, self.mem["activations"] / MiB,
@@ -118,15 +133,15 @@ class ModelRunner:
         return int(spare * fraction) // per_token
 
     @torch.inference_mode()
-    def _warmup(self, kv: KVPool, num_tokens: int) -> None:
+    def _warmup(self, kv: KVPool, rtt: ReqToTokenPool, num_tokens: int) -> None:
         """One EXTEND forward of num_tokens new tokens (prompts of up to max_context tokens,
-        in rows taken from req_to_token and given back), with logits for every token."""
-        ps, table = self.page_size, self.req_to_token.table
+        in rows taken from rtt and given back), with logits for every token."""
+        ps, table = kv.page_size, rtt.table
         # No step holds more than max_running prompts of at most max_context tokens.
-        num_tokens = min(num_tokens, self.req_to_token.num_free * self.max_context)
+        num_tokens = min(num_tokens, rtt.num_free * self.max_context)
         lens = [min(self.max_context, num_tokens - i)
                 for i in range(0, num_tokens, self.max_context)]
-        rows = [self.req_to_token.alloc() for _ in lens]
+        rows = [rtt.alloc() for _ in lens]
         slots, t = [], ps  # page 1 on: page 0 is scratch
         for row, n in zip(rows, lens):
             table[row, :n] = torch.arange(t, t + n, device=self.device)
@@ -149,7 +164,7 @@ class ModelRunner:
         self.forward_eager(fb)
         for row in rows:
             table[row].zero_()
-            self.req_to_token.free(row)
+            rtt.free(row)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -161,7 +176,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
-        fb.attn = self.attn
-        self.attn.prepare(fb)
+        fb.attn, fb.attn_meta = self.attn, self.attn.prepare(fb)
+        return self.run_model(fb)
+
+    def run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model and its logits on a batch whose attention metadata is prepared (eagerly,
+        or once for a CUDA graph's static batch)."""
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.model.logits(hidden[fb.logits_idx])

@@ -2,7 +2,8 @@
 
 Each edge holds a run of tokens (a multiple of page_size) and the KV slots that hold
 them. A request borrows a matched prefix by locking the path to its last node; unlocked
-leaves are evicted least-recently-used first, their pages going back to the allocator.
+leaves are evicted least-recently-used first, their pages handed back to the caller
+(KVManager, which frees them: the tree never touches the allocator).
 Pages owned by the tree are "cached"; locked ones are "protected", the rest "evictable".
 """
 from __future__ import annotations
@@ -11,8 +12,6 @@ import heapq
 import itertools
 
 import torch
-
-from .kv_pool import PageAllocator
 
 
 class TreeNode:
@@ -28,9 +27,8 @@ class TreeNode:
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, enabled: bool = True):
-        self.allocator = allocator
-        self.page_size = allocator.page_size
+    def __init__(self, page_size: int, enabled: bool = True):
+        self.page_size = page_size
         self.enabled = enabled
         self.root = TreeNode()
         self.root.lock_ref = 1  # never evicted
@@ -120,16 +118,16 @@ class RadixCache:
                 self.protected_pages -= len(node.key) // self.page_size
             node = node.parent
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least num_pages pages from unlocked leaves, LRU first. Returns pages freed."""
+    def evict(self, num_pages: int) -> list[int]:
+        """Remove unlocked leaves, LRU first, until at least num_pages pages are out of the
+        tree (or none is left to remove). Returns those pages, for the caller to free."""
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
-        freed = 0
-        while freed < num_pages and leaves:
+        freed: list[int] = []
+        while len(freed) < num_pages and leaves:
             _, _, node = heapq.heappop(leaves)
             pages = (node.value[::self.page_size] // self.page_size).tolist()
-            self.allocator.free(pages)
-            freed += len(pages)
+            freed += pages
             self.cached_pages -= len(pages)
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from .grammar import Matcher
+    from .radix_cache import TreeNode
+    from .sampler import TokenLogprob
 
 
 class ReqStatus(Enum):
@@ -21,31 +28,31 @@ class Req:
     params: SamplingParams
     seed: int  # per-sample seed, derived from (job seed, item index, sample index)
     eos_ids: frozenset[int] = frozenset()
-    tag: Any = None  # where events go (the caller's handle: a job, a generate call)
+    tag: object = None  # where events go (the caller's opaque handle: a job, a generate call)
     index: int = 0  # item index in the caller's batch
     sample: int = 0  # sample index within the item
     return_prompt_logits: bool = False
-    grammar: Any = None  # grammar.Matcher of a constrained output: advanced with each token
+    grammar: Matcher | None = None  # a constrained output's matcher: advanced with each token
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list = field(default_factory=list)  # sampler.TokenLogprob per output token when asked
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     # Extra info on the finish: the matched stop string or stop token.
-    matched_stop: Any = None
+    matched_stop: str | int | None = None
 
-    # KV state. The first alloc_len positions have slots in req_to_token; kv_len tokens of fill_ids have their KV in the pool, the first
-    # prefix_len of those were borrowed from the radix cache (locked at last_node).
+    # KV state. The first alloc_len positions have slots in req_to_token; kv_len tokens of
+    # fill_ids have their KV in the pool, the first prefix_len of those borrowed from the
+    # radix cache (locked at last_node). Invariant: prefix_len <= kv_len <= alloc_len.
     req_pool_idx: int | None = None
     kv_len: int = 0
     prefix_len: int = 0
     alloc_len: int = 0  # positions with a slot allocated (>= kv_len during a step)
-    last_node: Any = None
+    last_node: TreeNode | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
-    chunk_len: int = 0  # tokens scheduled in the current extend step
     num_retractions: int = 0
-    prompt_logits: list = field(default_factory=list)  # chunks of [n, vocab] when asked
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, vocab] when asked
 
     @property
     def fill_ids(self) -> list[int]:

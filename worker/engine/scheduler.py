@@ -1,4 +1,5 @@
-"""Continuous batching: admission, chunked prefill, decode, retraction, abort.
+"""Continuous batching: admission, chunked prefill, decode, retraction, abort; and the one
+place a request finishes.
 
 Each step runs every running request that is decoding (one token each) plus as many
 prefill tokens as the token budget allows, in one forward pass. A long prompt is split
@@ -6,8 +7,10 @@ across steps (chunked prefill). When KV runs out, the most recently admitted req
 are retracted back to the waiting queue; their computed KV goes to the radix cache, so
 recomputation later is often a cache hit.
 
-A step that raises is isolated (see `_isolate`): the requests that caused it end with
-finish_reason "error"; the rest of the batch gets the tokens it would have got.
+A step is schedule() -> Executor.run -> process(): process applies what the batch produced
+(KV lengths, tokens) and decides which requests are done. Every request ends in finish(),
+whoever decides it (a token, the front's stop strings, a fault, an abort), and
+take_finished() hands the step's finished requests to the front.
 """
 from __future__ import annotations
 
@@ -15,19 +18,17 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from .batch import ScheduleBatch
+from .config import EngineConfig
+from .executor import BatchOutput, RunOutput
 from .kv_manager import KVManager
 from .req import Req, ReqStatus
-from .sampling_params import SamplingParams
 
 log = logging.getLogger("fanout.engine")
 
-
-class EngineError(RuntimeError):
-    """A step failed in a way no request can be blamed for (the device, the model, the
-    engine's own bookkeeping): every request in the engine is in doubt."""
+# A new request sharing this many uncached tokens with one prefilling now waits a step to
+# reuse that prefix instead of computing it again (in-batch prefix sharing).
+SHARED_PREFIX_MIN = 32
 
 
 def step_error(exc: BaseException) -> str:
@@ -36,36 +37,23 @@ def step_error(exc: BaseException) -> str:
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    max_running: int = 256  # requests holding KV at once
-    max_prefill_tokens: int = 2048  # new prompt tokens per step (the chunk size)
-    # A new request sharing this many uncached tokens with one prefilling now waits a step
-    # to reuse that prefix instead of computing it again (in-batch prefix sharing).
-    shared_prefix_min: int = 32
-
-
-@dataclass(slots=True)
 class StepResult:
-    updated: list  # list[tuple[Req, list[int]]]: requests and the tokens they got this step
-    finished: list  # list[Req] finished this step (KV already released)
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
+    tokens: list[tuple[Req, int]]  # the token each request got this step
+    finished: list[Req]  # requests finished since the last step (KV already released)
 
 
 class Scheduler:
-    def __init__(self, runner, kvm: KVManager, sampler, cfg: SchedulerConfig):
-        self.runner = runner
-        self.kvm = kvm
-        self.sampler = sampler
+    def __init__(self, cfg: EngineConfig, kvm: KVManager, max_context: int):
         self.cfg = cfg
-        self.max_context = runner.max_context
+        self.kvm = kvm
+        self.max_context = max_context
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
+        self._finished: list[Req] = []
         self.num_retractions = 0
         self.prefill_tokens_total = 0  # tokens run through prefill (warm-up savings show here)
         self.decode_tokens_total = 0
-        self.failed_steps = 0  # steps whose forward raised (isolated, or an EngineError)
 
     def add(self, req: Req) -> None:
         self.by_rid[req.rid] = req
@@ -73,6 +61,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_room(self) -> bool:
+        """Worth taking more requests now: the waiting queue is short."""
+        return len(self.waiting) < max(8, self.cfg.max_running // 4)
 
     def abort(self, rid: str) -> Req | None:
         """Abort a request wherever it is; its KV is freed now."""
@@ -82,14 +74,28 @@ class Scheduler:
         self.finish(req, "abort")
         return req
 
-    def finish(self, req: Req, reason: str, error: str | None = None) -> None:
-        req.finish_reason, req.error, req.status = reason, error, ReqStatus.FINISHED
+    def finish(self, req: Req, reason: str, error: str | None = None,
+               matched_stop: str | int | None = None) -> None:
+        """The one place a request ends: it leaves the queues and its KV is released. Also
+        for requests that never reached the queues (refused by the front). A request already
+        finished (its final event failed in fan-in) only has its reason replaced."""
+        first = not req.finished
+        req.finish_reason, req.error, req.matched_stop = reason, error, matched_stop
+        req.status = ReqStatus.FINISHED
+        if not first:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kvm.release(req)
         self.by_rid.pop(req.rid, None)
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Req]:
+        """The requests finished since the last call."""
+        out, self._finished = self._finished, []
+        return out
 
     # -- scheduling ---------------------------------------------------------------
 
@@ -101,7 +107,19 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(req)
 
-    def _schedule(self) -> ScheduleBatch | None:
+    def schedule(self) -> ScheduleBatch | None:
+        """The next step's batch, its slots allocated; None when nothing can run."""
+        batch = self._build()
+        if batch is None and not self.running:
+            self.check()  # idle: every page must be free or cached
+            if self.waiting:
+                # Nothing fits even in an empty pool: fail the head instead of spinning.
+                r = self.waiting[0]
+                self.finish(r, "error", f"request needs more KV than the pool holds "
+                                        f"({r.seq_len} tokens)")
+        return batch
+
+    def _build(self) -> ScheduleBatch | None:
         kvm = self.kvm
         reqs, lens, locs = [], [], []
         # 1. Decode every running request that has one token to run; retract if KV is short.
@@ -159,157 +177,64 @@ class Scheduler:
     def _shares_prefix(self, r: Req, prefilling: list[Req]) -> bool:
         """Does r share a long uncached prefix with a request prefilling in this step? (Decoding
         requests need no check: their prefixes are in the cache already, so admit matched them.)"""
-        k = r.prefix_len + self.cfg.shared_prefix_min
+        k = r.prefix_len + SHARED_PREFIX_MIN
         if r.seq_len <= k:
             return False
         head = r.tokens(0, k)
         return any(x.seq_len >= k and x.tokens(0, k) == head for x in prefilling)
 
-    def step(self) -> StepResult:
-        batch = self._schedule()
-        if batch is None and not self.running:
-            self.check()  # idle: every page must be free or cached
-        if batch is None:
-            if self.waiting and not self.running:
-                # Nothing fits even in an empty pool: fail the head instead of spinning.
-                r = self.waiting[0]
-                self.finish(r, "error", f"request needs more KV than the pool holds "
-                                        f"({r.seq_len} tokens)")
-                return StepResult([], [r])
-            return StepResult([], [])
-        result = StepResult([], [])
-        try:  # free until something raises
-            out = self._forward(batch)
-        except Exception as e:
-            out = e  # isolated below, outside this handler, so later faults are not chained to it
-        if isinstance(out, Exception):
-            self._isolate(batch, out, result)
-        else:
-            self._commit(batch, out, result)
-        self.prefill_tokens_total += result.prefill_tokens
-        self.decode_tokens_total += result.decode_tokens
-        return result
+    # -- results ------------------------------------------------------------------
 
-    def _forward(self, batch: ScheduleBatch):
-        """Forward and sample, changing no request: what can raise runs here, so a failed
-        batch can run again. Returns (prompt logits per request or None, sampled requests,
-        SampleOutput or None)."""
-        fb = batch.to_forward_batch(self.kvm.kv, self.kvm.table, self.runner.device,
-                                    group_shared=self.runner.attn.uses_shared_prefixes)
-        logits = self.runner.forward(fb)
-        prompt, sample_reqs, sample_rows, row = [], [], [], 0
-        for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            complete = batch.needs_logits(i)
-            prompt.append(None)
-            if r.return_prompt_logits:
-                prompt[-1] = logits[row:row + n].float().cpu()
-                row += n
-                last = row - 1
-            elif complete:
-                last = row
-                row += 1
-            # max_new_tokens == 0: prefill only (warm-up, scoring), nothing to sample.
-            if complete and len(r.output_ids) < r.params.max_new_tokens:
-                sample_reqs.append(r)
-                sample_rows.append(last)
-        out = self.sampler(logits[sample_rows].float(), sample_reqs) if sample_reqs else None
-        return prompt, sample_reqs, out
+    def process(self, run: RunOutput) -> StepResult:
+        """Apply a step's outcome to its requests, and end those that are done."""
+        tokens: list[tuple[Req, int]] = []
+        for out in run.outputs:
+            self._commit(out, tokens)
+        for r, e in run.failed:
+            log.error("request %s failed alone in an engine step; it ends with an error",
+                      r.rid, exc_info=e)
+            self.finish(r, "error", step_error(e))
+        return StepResult(tokens, self.take_finished())
 
-    def _commit(self, batch: ScheduleBatch, forward_out, result: StepResult) -> None:
-        """Apply a forward's outcome to its requests: KV length, tokens, finishes."""
-        prompt, sample_reqs, out = forward_out
+    def _commit(self, out: BatchOutput, tokens: list[tuple[Req, int]]) -> None:
+        """KV lengths, prompt logits and sampled tokens of one batch; finishes."""
+        batch = out.batch
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             if n == 1 and r.output_ids:
-                result.decode_tokens += 1
+                self.decode_tokens_total += 1
             else:
-                result.prefill_tokens += n
-            if prompt[i] is not None:
-                r.prompt_logits.append(prompt[i])
-            complete = batch.needs_logits(i)
+                self.prefill_tokens_total += n
+            if out.prompt_logits[i] is not None:
+                r.prompt_logits.append(out.prompt_logits[i])
+            complete = batch.needs_logits(i)  # before kv_len moves on
             r.kv_len += n
             if n > 1:
                 self.kvm.cache_unfinished(r)
             if complete and len(r.output_ids) >= r.params.max_new_tokens:
-                self.finish(r, "length")
-                result.finished.append(r)
-        for j, r in enumerate(sample_reqs):
-            tok = out.token_ids[j]
+                self.finish(r, "length")  # prefill only: nothing to sample
+        for j, r in enumerate(out.sampled):
+            tok = out.samples.token_ids[j]
             r.output_ids.append(tok)
             if r.params.logprobs:
-                r.output_logprobs.append(out.logprobs[j])
-            result.updated.append((r, [tok]))
+                r.output_logprobs.append(out.samples.logprobs[j])
+            tokens.append((r, tok))
             if r.grammar is not None and not r.grammar.accept(tok):
                 # The sampler drew from the grammar's mask: only a mask that allowed nothing
                 # (a grammar this vocabulary cannot spell) gets here.
                 self.finish(r, "error", f"the grammar does not allow token {tok} here")
-                result.finished.append(r)
                 continue
-            reason = self._finish_reason(r, tok)
-            if reason:
-                self.finish(r, reason)
-                result.finished.append(r)
+            self._finish_after(r, tok)
 
-    def _isolate(self, batch: ScheduleBatch, exc: Exception, result: StepResult) -> None:
-        """The step's forward raised. Run its requests again in halves, each half a step of
-        its own on the slots already allocated to it, down to single requests. A half that
-        runs gets exactly the tokens the whole step would have given it (sampling is seeded
-        per (seed, position)); a request that fails alone caused the fault and ends with an
-        error. If every request fails alone and a probe step fails too, the fault is the
-        engine's: the step is undone (its slots freed) and EngineError raised."""
-        log.warning("engine step of %d requests failed (%s: %s); isolating the cause",
-                    len(batch.reqs), type(exc).__name__, exc)
-        self.failed_steps += 1
-        failed: list[tuple[Req, Exception]] = []
-        todo = [(batch, exc)]
-        while todo:
-            part, e = todo.pop()
-            if len(part.reqs) == 1:
-                failed.append((part.reqs[0], e))
-                continue
-            for half in part.halves(self.kvm.table):
-                try:
-                    out = self._forward(half)
-                except Exception as e2:
-                    todo.append((half, e2))
-                else:
-                    self._commit(half, out, result)
-        if len(failed) == len(batch.reqs) and not self._healthy():
-            for r, _ in failed:
-                self.kvm.rollback(r)
-            raise EngineError(f"engine step failed for each request alone, and for a probe "
-                              f"too: {type(exc).__name__}: {exc}") from exc
-        for r, e in failed:
-            log.error("request %s failed alone in an engine step; it ends with an error",
-                      r.rid, exc_info=e)
-            self.finish(r, "error", step_error(e))
-            result.finished.append(r)
-
-    def _healthy(self) -> bool:
-        """Can the engine run a step at all? One token of a plain request through the same
-        forward and sampler, on the scratch row and page (which no request owns)."""
-        probe = Req(rid="probe", input_ids=[0], params=SamplingParams(max_new_tokens=1), seed=0,
-                    req_pool_idx=self.runner.scratch_row)
-        try:
-            self._forward(ScheduleBatch([probe], [1], [torch.zeros(1, dtype=torch.int64)]))
-        except Exception:
-            log.exception("probe step failed too")
-            return False
-        return True
-
-    def _finish_reason(self, r: Req, tok: int) -> str | None:
+    def _finish_after(self, r: Req, tok: int) -> None:
+        """End r if its new token tok completes it: a stop token, a finished grammar, or
+        the length limit."""
         p = r.params
-        if not p.ignore_eos and tok in r.eos_ids:
-            r.matched_stop = tok
-            return "stop"
-        if tok in p.stop_token_ids:
-            r.matched_stop = tok
-            return "stop"
-        if r.grammar is not None and r.grammar.done:  # complete, whatever ignore_eos says
-            r.matched_stop = tok if tok in r.eos_ids else None
-            return "stop"
-        if len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context:
-            return "length"
-        return None
+        if (not p.ignore_eos and tok in r.eos_ids) or tok in p.stop_token_ids:
+            self.finish(r, "stop", matched_stop=tok)
+        elif r.grammar is not None and r.grammar.done:  # complete, whatever ignore_eos says
+            self.finish(r, "stop", matched_stop=tok if tok in r.eos_ids else None)
+        elif len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.max_context:
+            self.finish(r, "length")
 
     def check(self) -> None:
         """KV invariant; call when idle or between steps."""

@@ -1,18 +1,34 @@
 """The interface the model code calls for attention over the paged KV cache."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 
+if TYPE_CHECKING:
+    from ..batch import ForwardBatch
 
-class AttentionBackend:
+
+class AttentionMetadata:
+    """What a backend derives from a batch once per forward pass, shared by all layers. It
+    travels on the batch (`ForwardBatch.attn_meta`), never on the backend, so a CUDA graph's
+    static batch keeps its own."""
+
+
+class AttentionBackend(ABC):
     """Stores the new tokens' K/V in their slots and attends over each request's cached KV.
 
-    `prepare` runs once per forward pass (metadata shared by all layers); `forward` runs
-    per layer. Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype.
+    `prepare` runs once per eager forward pass; `forward` runs per layer. Shapes: q [T, Hq, D];
+    k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A backend whose decode `forward` is
+    capturable (fixed-size device tensors, no host reads) sets `supports_cuda_graph` and gives
+    the two graph hooks: `prepare_capture` (metadata of a static batch, made once before its
+    capture) and `prepare_replay` (refresh it from the static buffers before each replay).
     """
 
-    # Whether forward attends to fb.shared groups; the scheduler builds them only then.
-    uses_shared_prefixes = False
+    supports_cuda_graph: ClassVar[bool] = False
+    # Whether forward attends to fb.shared groups; the batch builds them only then.
+    uses_shared_prefixes: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         self.num_heads = num_heads
@@ -20,11 +36,22 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def prepare(self, fb) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
+        """Per-batch metadata for an eager forward."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, fb) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        """One layer's attention, with fb.attn_meta from prepare (or prepare_capture)."""
+
+    def prepare_capture(self, fb: ForwardBatch) -> AttentionMetadata:
+        """Metadata of a CUDA graph's static decode batch; must stay valid across replays."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def prepare_replay(self, fb: ForwardBatch, meta: AttentionMetadata) -> None:
+        """Update meta in place for the inputs just copied into fb's static buffers."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
 
 def make_backend(name: str, device: torch.device, **kw) -> AttentionBackend:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend
+from ..batch import ForwardBatch
+from .base import AttentionBackend, AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -44,11 +45,19 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(slots=True)
-class _Meta:
-    dec: list  # list[_Decode]: one batched call each
-    shared: list  # list[_Shared]
-    # Multi-token rows: (start in [T], new tokens, KV slots [seq], additive causal mask [n, seq]).
-    ext: list
+class _Extend:
+    """A multi-token row."""
+    start: int  # its first new token's position in [T]
+    length: int  # new tokens
+    slots: torch.Tensor  # [seq] its KV slots
+    mask: torch.Tensor  # [n, seq] additive, causal
+
+
+@dataclass(slots=True)
+class TorchMetadata(AttentionMetadata):
+    dec: list[_Decode]  # one batched call each
+    shared: list[_Shared]
+    ext: list[_Extend]
 
 
 def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
@@ -70,7 +79,7 @@ class TorchBackend(AttentionBackend):
         super().__init__(*args, **kw)
         self.uses_shared_prefixes = torch.device(device).type == "cpu"  # the CPU flash kernel
 
-    def prepare(self, fb) -> None:
+    def prepare(self, fb: ForwardBatch) -> TorchMetadata:
         dtype = fb.kv.k[0].dtype
 
         def additive(mask):  # SDPA takes a float mask without converting it on every call
@@ -79,7 +88,7 @@ class TorchBackend(AttentionBackend):
         dec, ext = [], []
         for i, n in enumerate(fb.extend_lens_cpu):
             (dec if n == 1 else ext).append(i)
-        meta = _Meta([], [], [])
+        meta = TorchMetadata([], [], [])
         group = self.num_heads // self.num_kv_heads
         grouped = set()
         for g in (fb.shared or ()) if self.uses_shared_prefixes else ():
@@ -105,8 +114,8 @@ class TorchBackend(AttentionBackend):
             slots = fb.req_to_token[fb.req_pool_indices[i], :s]
             q_pos = torch.arange(p, s, device=slots.device)
             mask = torch.arange(s, device=slots.device)[None, :] <= q_pos[:, None]
-            meta.ext.append((starts[i], n, slots, additive(mask)))
-        self.meta = meta
+            meta.ext.append(_Extend(starts[i], n, slots, additive(mask)))
+        return meta
 
     def forward(self, q, k, v, layer, fb):
         kc, vc = fb.kv.k[layer], fb.kv.v[layer]
@@ -114,7 +123,7 @@ class TorchBackend(AttentionBackend):
         kc2, vc2 = kc.view(S, Hkv * D), vc.view(S, Hkv * D)
         kc2.index_copy_(0, fb.out_cache_loc, k.reshape(-1, Hkv * D).to(kc.dtype))
         vc2.index_copy_(0, fb.out_cache_loc, v.reshape(-1, Hkv * D).to(vc.dtype))
-        m = self.meta
+        m = fb.attn_meta
         G = self.num_heads // Hkv
         out = torch.empty_like(q)
         for d in m.dec:
@@ -126,12 +135,12 @@ class TorchBackend(AttentionBackend):
             out[d.rows] = o.reshape(B, Hkv * G, D)
         for g in m.shared:
             out[g.rows] = self._shared(q[g.rows], kc2, vc2, g, Hkv, G, D)
-        for start, n, slots, mask in m.ext:
-            s = slots.shape[0]
+        for e in m.ext:
+            s, start, n = e.slots.shape[0], e.start, e.length
             qe = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ke = kc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            ve = vc2.index_select(0, slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale,
+            ke = kc2.index_select(0, e.slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ve = vc2.index_select(0, e.slots).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=self.scale,
                                                enable_gqa=G > 1)
             out[start:start + n] = o[0].transpose(0, 1)
         return out

@@ -1,5 +1,5 @@
-"""Load a checkpoint into CausalLM: a Hugging Face folder (safetensors, single file or
-sharded) or a GGUF file (gguf.py).
+"""Load a checkpoint into its architecture's model class (registry.py): a Hugging Face
+folder (safetensors, single file or sharded) or a GGUF file (gguf.py).
 
 The model is built on the "meta" device and its parameters are then assigned tensors read
 straight from the checkpoint in the requested dtype and device, so no throwaway random init
@@ -14,13 +14,11 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from . import gguf
 from .config import ModelConfig
-from .llama import CausalLM
-
-# Our fused parameter -> the HF parameters concatenated (along dim 0) to make it.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+from .registry import architecture
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
@@ -58,20 +56,22 @@ def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str, dtype="auto", device="cpu") -> tuple[CausalLM, ModelConfig]:
+def load_model(path: str, dtype="auto", device="cpu") -> tuple[nn.Module, ModelConfig]:
     path = resolve_model_path(path)
     with _checkpoint(path) as (cfg, tensors):
         dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
+        arch = architecture(cfg.architecture)
         with torch.device("meta"):
-            model = CausalLM(cfg, device=device)
+            model = arch.model_class(cfg, device=device)
         expected = model.state_dict()  # meta tensors: names and shapes only
-        missing = sorted({src for name in expected for src in _sources(name) if src not in tensors})
+        missing = sorted({src for name in expected for src in arch.checkpoint_names(name)
+                          if src not in tensors})
         if missing:
             raise ValueError(f"checkpoint {path} is missing {len(missing)} weight(s): "
                              f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
         state = {}
         for name, meta in expected.items():
-            parts = [tensors[src]() for src in _sources(name)]
+            parts = [tensors[src]() for src in arch.checkpoint_names(name)]
             w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if w.shape != meta.shape:
                 raise ValueError(f"checkpoint weight for {name!r} has shape {tuple(w.shape)}, "
@@ -103,15 +103,6 @@ def _checkpoint(path: str):
                  for f in sorted(set(weight_map.values()))}
         yield cfg, {name: functools.partial(files[f].get_tensor, name)
                     for name, f in weight_map.items()}
-
-
-def _sources(name: str) -> list[str]:
-    """HF checkpoint names that make up our parameter `name`."""
-    hf = name if name.startswith("lm_head.") else "model." + name
-    for fused, parts in FUSED.items():
-        if f".{fused}." in hf:
-            return [hf.replace(f".{fused}.", f".{p}.") for p in parts]
-    return [hf]
 
 
 def _weight_map(path: str) -> dict[str, str]:

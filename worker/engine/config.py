@@ -1,0 +1,63 @@
+"""EngineConfig: every engine knob in one validated dataclass.
+
+`Engine(model, **kwargs)` builds one from its keywords; the CLI (`worker/cli.py`) makes one
+flag per field from the names, defaults and `help` metadata here, so a new knob is one field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _knob(default, help: str, env: str | None = None, cli_default=None):
+    """A field with its CLI help; `env` names an environment variable the CLI reads for it,
+    `cli_default` the CLI's default where it differs from the library's."""
+    meta = {"help": help, "env": env, "cli_default": cli_default}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineConfig:
+    device: str = _knob("cpu", "cpu, cuda, cuda:N, or auto: cuda if there is one",
+                        env="FANOUT_DEVICE", cli_default="auto")
+    dtype: str | None = _knob(None, "float32, bfloat16 or float16 (default: float32 on a CPU, "
+                                    "bfloat16 on a GPU)")
+    page_size: int = _knob(16, "tokens per KV cache page")
+    kv_tokens: int | None = _knob(None, "KV cache size in tokens (default: on a GPU, "
+                                        "kv_memory_fraction of the memory left after the weights, "
+                                        "a warm-up forward and the CUDA graphs; on a CPU, 2 GiB "
+                                        "or 64 full contexts)")
+    kv_memory_fraction: float = _knob(0.85, "share of the free GPU memory the KV cache takes "
+                                            "when kv_tokens is not given")
+    max_running: int = _knob(256, "requests in the engine (holding KV) at once")
+    max_prefill_tokens: int = _knob(2048, "prompt tokens per step: the chunk size of chunked "
+                                          "prefill")
+    enable_prefix_cache: bool = _knob(True, "share computed prompt prefixes between requests "
+                                            "(radix cache)")
+    attention_backend: str = _knob("auto", "auto (triton on CUDA, torch elsewhere), torch or "
+                                           "triton")
+    cuda_graph: bool = _knob(True, "capture decode steps in CUDA graphs (CUDA with the triton "
+                                   "backend only)")
+    cuda_graph_max_bs: int | None = _knob(None, "largest decode batch captured in a CUDA graph "
+                                                "(default: max_running, at most 256)")
+    cuda_graph_batch_sizes: list[int] | None = _knob(None, "the decode batch sizes captured "
+                                                           "(default: 1, 2, 4, then every "
+                                                           "multiple of 8 up to the max)")
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_running", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"kv_tokens: must be >= 1, got {self.kv_tokens}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
+                             f"(use 'auto', 'torch' or 'triton')")
+        # Lazily: cuda_graph imports torch, and the CLI reads this module for its flags.
+        from .cuda_graph import batch_sizes
+        batch_sizes(self.cuda_graph_max_bs, self.cuda_graph_batch_sizes, self.max_running)

@@ -1,0 +1,121 @@
+"""Run and sample one scheduled batch, changing no request: the step's part that can raise.
+
+A batch whose forward or sampler raises is isolated: run again in halves, each on the slots
+already allocated to it, down to single requests. A half that runs gets exactly the tokens
+the whole batch would have given it (sampling is seeded per (seed, position)); a request
+that fails alone caused the fault. Scheduler.process applies the outcome.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import ScheduleBatch
+from .kv_manager import KVManager
+from .model_runner import ModelRunner
+from .req import Req
+from .sampler import SampleOutput, Sampler
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("fanout.engine")
+
+
+class EngineError(RuntimeError):
+    """A step failed in a way no request can be blamed for (the device, the model, the
+    engine's own bookkeeping): every request in the engine is in doubt."""
+
+
+@dataclass(slots=True)
+class BatchOutput:
+    """One forward + sample of a batch, not yet applied to its requests."""
+    batch: ScheduleBatch
+    prompt_logits: list[torch.Tensor | None]  # per request: its rows, when it asked
+    sampled: list[Req]  # the requests that got a token, in samples' row order
+    samples: SampleOutput | None  # None when nothing was sampled
+
+
+@dataclass(slots=True)
+class RunOutput:
+    """A step's outcome: the batches (the whole, or its halves) that ran, and the requests
+    that failed alone with their exception."""
+    outputs: list[BatchOutput] = field(default_factory=list)
+    failed: list[tuple[Req, Exception]] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, kvm: KVManager):
+        self.runner = runner
+        self.sampler = sampler
+        self.kvm = kvm
+        self.failed_steps = 0  # steps whose forward raised (isolated, or an EngineError)
+
+    def run(self, batch: ScheduleBatch) -> RunOutput:
+        try:  # free until something raises
+            return RunOutput([self._forward(batch)])
+        except Exception as e:
+            exc = e  # isolated outside this handler, so later faults are not chained to it
+        return self._isolate(batch, exc)
+
+    def _forward(self, batch: ScheduleBatch) -> BatchOutput:
+        """Forward and sample. Changes no request, so a failed batch can run again."""
+        fb = batch.to_forward_batch(self.kvm.kv, self.kvm.table, self.runner.device,
+                                    group_shared=self.runner.attn.uses_shared_prefixes)
+        logits = self.runner.forward(fb)
+        prompt: list[torch.Tensor | None] = []
+        sample_reqs, sample_rows, row = [], [], 0
+        for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            complete = batch.needs_logits(i)
+            prompt.append(None)
+            if r.return_prompt_logits:
+                prompt[-1] = logits[row:row + n].float().cpu()
+                row += n
+                last = row - 1
+            elif complete:
+                last = row
+                row += 1
+            # max_new_tokens == 0: prefill only (warm-up, scoring), nothing to sample.
+            if complete and len(r.output_ids) < r.params.max_new_tokens:
+                sample_reqs.append(r)
+                sample_rows.append(last)
+        out = self.sampler(logits[sample_rows].float(), sample_reqs) if sample_reqs else None
+        return BatchOutput(batch, prompt, sample_reqs, out)
+
+    def _isolate(self, batch: ScheduleBatch, exc: Exception) -> RunOutput:
+        """Bisect a failed batch (see the module doc). If every request fails alone and a
+        probe step fails too, the fault is the engine's: the step is undone (its slots
+        freed) and EngineError raised."""
+        log.warning("engine step of %d requests failed (%s: %s); isolating the cause",
+                    len(batch.reqs), type(exc).__name__, exc)
+        self.failed_steps += 1
+        result = RunOutput()
+        todo = [(batch, exc)]
+        while todo:
+            part, e = todo.pop()
+            if len(part.reqs) == 1:
+                result.failed.append((part.reqs[0], e))
+                continue
+            for half in part.halves(self.kvm.table):
+                try:
+                    result.outputs.append(self._forward(half))
+                except Exception as e2:
+                    todo.append((half, e2))
+        if len(result.failed) == len(batch.reqs) and not self._healthy():
+            for r, _ in result.failed:
+                self.kvm.rollback(r)
+            raise EngineError(f"engine step failed for each request alone, and for a probe "
+                              f"too: {type(exc).__name__}: {exc}") from exc
+        return result
+
+    def _healthy(self) -> bool:
+        """Can the engine run a step at all? One token of a plain request through the same
+        forward and sampler, on the scratch row and page (which no request owns)."""
+        probe = Req(rid="probe", input_ids=[0], params=SamplingParams(max_new_tokens=1), seed=0,
+                    req_pool_idx=self.kvm.rtt.scratch_row)
+        try:
+            self._forward(ScheduleBatch([probe], [1], [torch.zeros(1, dtype=torch.int64)]))
+        except Exception:
+            log.exception("probe step failed too")
+            return False
+        return True
