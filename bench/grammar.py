@@ -33,7 +33,7 @@ SCHEMAS = [
     ("a person", {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 24},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "format": "email"}}, "required": ["name", "age"]}),
+        "email": {"type": "string", "format": "email", "maxLength": 40}}, "required": ["name", "age"]}),
     ("an order", {"type": "object", "properties": {
         "id": {"type": "integer", "minimum": 1, "maximum": 99999},
         "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
@@ -84,7 +84,7 @@ def run(engine, prompts, params, seed):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--items", type=int, default=128)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=11)
