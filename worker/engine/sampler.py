@@ -205,11 +205,13 @@ class Sampler:
         dev = logits.device
         temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         z = logits[rand] / temp[:, None]
-        probs = torch.softmax(z, dim=-1)
         V = z.shape[1]
-
-        keep = probs >= torch.tensor([p.min_p for p in ps], device=dev)[:, None] * probs.amax(-1, keepdim=True)
-        if any(p.top_k > 1 or p.top_p < 1.0 for p in ps):
+        filters = any(p.top_k > 1 or p.top_p < 1.0 for p in ps)
+        keep = None  # every token, unless a filter is on (the softmax is then needed)
+        if filters or any(p.min_p > 0 for p in ps):
+            probs = torch.softmax(z, dim=-1)
+            keep = probs >= torch.tensor([p.min_p for p in ps], device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        if filters:
             top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in ps], device=dev)
             top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
             # One stable sort for all rows; ties break by token id on every device.
@@ -226,6 +228,8 @@ class Sampler:
         # Gumbel-max in log space: argmax z - log(-log u) == argmax probs / Exp(1).
         u = seeded_uniform([reqs[i].seed for i in rand], [len(reqs[i].output_ids) for i in rand],
                            self.vocab_size, dev, self._col_keys)
-        score = torch.where(keep, z - torch.log(-torch.log(u)), float("-inf"))
+        score = z.sub_(u.log_().neg_().log_())
+        if keep is not None:
+            score = score.masked_fill_(~keep, float("-inf"))
         tokens[rand] = score.argmax(dim=-1)
         return tokens

@@ -10,17 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-# qkv_bias: fixed by the architecture, or None when config's attention_bias decides;
-# o_bias: whether o_proj's bias also follows attention_bias; qk_norm: Qwen3's per-head norm.
-ARCHITECTURES = {
-    "LlamaForCausalLM": dict(qkv_bias=None, o_bias=True, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=True, qk_norm=True),
-}
-# Config folders saved from a bare config (no `architectures`) still name their model_type.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from .registry import ARCHITECTURES, architecture, by_model_type
 
 
 @dataclass(slots=True)
@@ -78,8 +68,8 @@ class ModelConfig:
             raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
         attn_bias = bool(raw.get("attention_bias", False))
-        if traits["qkv_bias"] is not None:
-            attn_bias = traits["qkv_bias"]
+        if traits.qkv_bias is not None:
+            attn_bias = traits.qkv_bias
         theta, scaling = _rope(raw)
         max_pos = int(need("max_position_embeddings"))
         window = _sliding_window(raw, arch)
@@ -103,9 +93,9 @@ class ModelConfig:
             max_context=min(max_pos, window) if window else max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attn_bias,
-            o_proj_bias=attn_bias if traits["o_bias"] else False,
+            o_proj_bias=attn_bias if traits.o_bias else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=traits["qk_norm"],
+            qk_norm=traits.qk_norm,
             eos_token_ids=[int(e) for e in eos],
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
@@ -113,10 +103,11 @@ class ModelConfig:
 
 def _architecture(raw: dict) -> str:
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"config.json: unsupported architecture {arch!r}; supported: "
-                         f"{', '.join(ARCHITECTURES)} (SmolLM is LlamaForCausalLM)")
+    arch = archs[0] if archs else (by_model_type(raw.get("model_type")) or raw.get("model_type"))
+    try:
+        architecture(arch)
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from None
     return arch
 
 

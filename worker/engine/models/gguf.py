@@ -16,10 +16,7 @@ import gguf  # the package from PyPI (this module is worker.engine.models.gguf)
 import torch
 
 from .config import ModelConfig
-
-# GGUF `general.architecture` -> our architecture (config.py).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+from .registry import ARCHITECTURES, by_model_type
 
 # GGUF tensor name (without .weight / .bias; "blk.N." for layer N) -> the HF name the loader
 # asks for ("model.layers.N.").
@@ -86,9 +83,10 @@ def _config(path: str, reader, tensors: dict) -> ModelConfig:
         return default if field is None else field.contents()
 
     arch = meta("general.architecture")
-    if arch not in ARCHITECTURES:
+    name = by_model_type(arch, gguf=True)  # GGUF names the family as config.json's model_type
+    if name is None:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
+                         f"{', '.join(a.model_type for a in ARCHITECTURES.values() if a.gguf)}")
 
     def need(key):
         value = meta(f"{arch}.{key}")
@@ -106,7 +104,7 @@ def _config(path: str, reader, tensors: dict) -> ModelConfig:
     # <|eot_id|> as eot, not eos).
     eos = [meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     raw = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [name],
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),

@@ -13,12 +13,16 @@ call; at decode sizes (a few dozen rows) that repacking costs about as much as t
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # config.py imports the registry, which imports this module
+    from .config import ModelConfig
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -1,9 +1,10 @@
-"""Architecture name (a config's `architectures[0]`) -> the model class that runs it and how
-the checkpoint's weight names map onto its parameters.
+"""The supported architectures, in one table: the name (a config's `architectures[0]`) -> the
+model class that runs it, its config traits, and how the checkpoint's weight names map onto
+its parameters. config.py, gguf.py and loader.py all read this table.
 
 A new architecture: its model file (built as `model_class(cfg, device=...)`, with the
-`forward(input_ids, positions, fb)`, `logits` and `pack_weights` of llama.py), one line in
-ARCHITECTURES below, and its config traits in config.py.
+`forward(input_ids, positions, fb)`, `logits` and `pack_weights` of llama.py) and one line in
+ARCHITECTURES below.
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ LLAMA_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 @dataclass(frozen=True, slots=True)
 class Architecture:
     model_class: type[nn.Module]
+    # config.json's model_type (names the architecture when a config has no `architectures`),
+    # and GGUF's general.architecture for the families whose GGUF files load (gguf.py).
+    model_type: str
+    qkv_bias: bool | None  # bias on q/k/v: fixed by the architecture, or None: attention_bias decides
+    o_bias: bool  # o_proj's bias follows attention_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    gguf: bool = False
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED)
 
     def checkpoint_names(self, name: str) -> list[str]:
@@ -32,14 +40,22 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(CausalLM),
-    "MistralForCausalLM": Architecture(CausalLM),
-    "Qwen2ForCausalLM": Architecture(CausalLM),
-    "Qwen3ForCausalLM": Architecture(CausalLM),
+    "LlamaForCausalLM": Architecture(CausalLM, "llama", qkv_bias=None, o_bias=True, gguf=True),
+    "MistralForCausalLM": Architecture(CausalLM, "mistral", qkv_bias=False, o_bias=False),
+    "Qwen2ForCausalLM": Architecture(CausalLM, "qwen2", qkv_bias=True, o_bias=False, gguf=True),
+    "Qwen3ForCausalLM": Architecture(CausalLM, "qwen3", qkv_bias=None, o_bias=True, qk_norm=True,
+                                     gguf=True),
 }
 
 
 def architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}"
+                         " (SmolLM is LlamaForCausalLM)")
     return ARCHITECTURES[name]
+
+
+def by_model_type(model_type: str | None, gguf: bool = False) -> str | None:
+    """The architecture name of a model_type (of those with GGUF loading if gguf), or None."""
+    return next((name for name, a in ARCHITECTURES.items()
+                 if a.model_type == model_type and (a.gguf or not gguf)), None)
