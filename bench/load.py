@@ -1,6 +1,6 @@
 """Load: many small jobs from many clients at once, through the whole service.
 
-    python bench/load.py                       # 1,000 jobs, 50 clients, bench/engine.py's model
+    python bench/load.py                       # 1,000 jobs, 50 clients, bench/engine.py's toy model
     python bench/load.py --jobs 5000 --clients 200 --api-workers 4
 
 Each client thread POSTs its share of the jobs (1-3 prompts, a few tokens each) as fast as
@@ -41,7 +41,7 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: bench/engine.py's random-weight model")
+    ap.add_argument("--model", default=None, help="default: bench/engine.py's toy model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=50)
@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=600, help="seconds for every job to end")
     args = ap.parse_args()
     if args.model is None:
-        from engine import bench_model  # bench/engine.py
-        args.model = bench_model(os.path.join(ROOT, "bench", "out", "model"))
+        from engine import toy_model  # bench/engine.py
+        args.model = toy_model(os.path.join(ROOT, "bench", "out", "model"))
 
     rng = random.Random(0)
     bodies = [{"prompts": prompts(rng.randrange(1, 4), seed=i),

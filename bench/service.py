@@ -1,6 +1,6 @@
 """The whole service vs the engine in-process, on the same workload, in one run.
 
-    python bench/service.py                      # bench/engine.py's random-weight model
+    python bench/service.py                      # bench/engine.py's toy model
     python bench/service.py --model PATH --device cuda
 
 1. engine: 64 prompts through `Engine.generate` in this process.
@@ -104,7 +104,7 @@ def bench_intake(url: str, n: int, concurrency: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: bench/engine.py's random-weight model")
+    ap.add_argument("--model", default=None, help="default: bench/engine.py's toy model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -119,8 +119,8 @@ def main() -> None:
 
     if args.model is None:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
-        from engine import bench_model
-        args.model = bench_model(os.path.join(ROOT, "bench", "out", "model"))
+        from engine import toy_model
+        args.model = toy_model(os.path.join(ROOT, "bench", "out", "model"))
     warm = prompts(args.prompts, seed=1)
     works = [prompts(args.prompts, seed=10 + k) for k in range(args.repeats)]
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
