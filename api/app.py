@@ -114,9 +114,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(tenants.OverLimit)
     async def over_limit(request: Request, exc: tenants.OverLimit):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
         if is_openai(request.url.path):
-            return OpenAIError(429, exc.detail, code=exc.limit).response()
-        return JSONResponse({"detail": exc.detail, "limit": exc.limit}, status_code=429)
+            return OpenAIError(429, exc.detail, code=exc.limit).response(headers)
+        return JSONResponse({"detail": exc.detail, "limit": exc.limit}, status_code=429, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):

@@ -47,4 +47,5 @@ def _count_request(redis, tenant: tenants.Tenant) -> None:
     limit = tenant.limits["requests_per_second"]
     if count > limit:
         raise tenants.OverLimit("requests_per_second",
-                                f"over this API key's limit of {limit} requests per second (requests_per_second)")
+                                f"over this API key's limit of {limit} requests per second (requests_per_second)",
+                                retry_after=1)  # the next window opens within a second

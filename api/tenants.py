@@ -29,11 +29,12 @@ LIMITS = {
 
 
 class OverLimit(Exception):
-    """A per-key limit was hit: 429, the body names the limit (api.app)."""
+    """A per-key limit was hit: 429, the body names the limit (api.app). `retry_after`:
+    seconds until a retry can pass (the Retry-After header), where that is known."""
 
-    def __init__(self, limit: str, detail: str):
+    def __init__(self, limit: str, detail: str, retry_after: int | None = None):
         super().__init__(detail)
-        self.limit, self.detail = limit, detail
+        self.limit, self.detail, self.retry_after = limit, detail, retry_after
 
 
 @dataclass(slots=True)
