@@ -47,6 +47,8 @@ class ForwardBatch:
     # samples, a common system prompt): backends may attend to that common prefix once for
     # the whole group. None when no group is worth it.
     shared: list[SharedGroup] | None = None
+    # Images whose tokens run in this batch (prefill only): each distinct image once.
+    images: ImageBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -55,6 +57,41 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class ImageBatch:
+    pixels: torch.Tensor  # [K, 3, H, W], the distinct images (by pad id)
+    rows: torch.Tensor  # [M] int64, rows of [T] that are image tokens
+    features: torch.Tensor  # [M] int64, row of the flattened [K * tokens_per_image] features for each
+
+    @classmethod
+    def build(cls, reqs: list[Req], extend_lens: list[int], device) -> ImageBatch | None:
+        """The image tokens among each request's new positions [kv_len, kv_len + n): a chunk
+        may start or end inside an image, so features are taken by offset into it."""
+        index: dict[int, int] = {}  # pad id -> k
+        pixels, rows, feats = [], [], []
+        t = 0
+        for r, n in zip(reqs, extend_lens):
+            lo, hi = r.kv_len, r.kv_len + n
+            for span in r.images:
+                a, b = max(span.start, lo), min(span.start + span.length, hi)
+                if a >= b:
+                    continue
+                k = index.setdefault(span.image.pad, len(index))
+                if k == len(pixels):
+                    pixels.append(span.image.pixels)
+                rows.extend(range(t + a - lo, t + b - lo))
+                base = k * span.length - span.start
+                feats.extend(range(base + a, base + b))
+            t += n
+        if not rows:
+            return None
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(torch.stack(pixels).to(device), tensor(rows), tensor(feats))
 
 
 @dataclass(slots=True)
@@ -101,7 +138,10 @@ class ScheduleBatch:
             elif self.needs_logits(i):
                 logit_rows.append(t + n - 1)
             t += n
-        mode = ForwardMode.DECODE if all(n == 1 for n in self.extend_lens) else ForwardMode.EXTEND
+        images = ImageBatch.build(self.reqs, self.extend_lens, device)
+        # A one-token row may still be an image token (a chunk's end): run it as an extend.
+        one = all(n == 1 for n in self.extend_lens) and images is None
+        mode = ForwardMode.DECODE if one else ForwardMode.EXTEND
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
@@ -113,7 +153,8 @@ class ScheduleBatch:
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
-            logits_idx=tensor(logit_rows), shared=self._shared_groups() if group_shared else None)
+            logits_idx=tensor(logit_rows), shared=self._shared_groups() if group_shared else None,
+            images=images)
 
     def _shared_groups(self) -> list[SharedGroup] | None:
         """Group one-token rows by the first radix node of their borrowed prefix; a group's

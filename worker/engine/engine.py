@@ -13,13 +13,15 @@ from typing import Callable, Iterator
 
 import torch
 
+from .chat import ChatEncoder, VisionInput
 from .config import EngineConfig
 from .events import Event, ItemResult, SampleResult
 from .executor import EngineError, Executor, RunOutput
 from .front import Front
+from .images import ImageProcessor, ImageSpan
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
-from .models.loader import load_tokenizer
+from .models.loader import load_tokenizer, resolve_model_path
 from .req import Req
 from .sampler import Sampler
 from .sampling_params import SamplingParams, per_item
@@ -62,8 +64,14 @@ class Engine:
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        vision = None
+        if mc.vision is not None:
+            vision = VisionInput(ImageProcessor.from_dir(resolve_model_path(model)),
+                                 mc.vision.image_token_id, mc.vision.tokens_per_image,
+                                 mc.vocab_size)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
-                           self.kv_manager.num_tokens, eos, mc.vocab_size)
+                           self.kv_manager.num_tokens, eos, mc.vocab_size,
+                           ChatEncoder(self.tokenizer, vision))
 
     # -- step-level interface (the worker drives these) --------------------------
 
@@ -120,12 +128,16 @@ class Engine:
 
     # -- offline interface -------------------------------------------------------
 
-    def prompt_logits(self, input_ids: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+    def prompt_logits(self, input_ids: list[list[int]],
+                      images: list[list[ImageSpan]] | None = None) -> list[tuple[int, torch.Tensor]]:
         """Teacher-forced logits of each prompt: (start, logits [len - start, vocab]) where
-        the first `start` positions came from the prefix cache and were not recomputed."""
+        the first `start` positions came from the prefix cache and were not recomputed.
+        `images`: each prompt's image spans (from `front.chats.encode`), if it has any."""
+        images = images or [[] for _ in input_ids]
         reqs = [Req(rid=f"logits.{id(input_ids)}.{i}", input_ids=list(ids),
-                    params=SamplingParams(max_new_tokens=0), seed=0, return_prompt_logits=True)
-                for i, ids in enumerate(input_ids)]
+                    params=SamplingParams(max_new_tokens=0), seed=0, return_prompt_logits=True,
+                    images=list(spans))
+                for i, (ids, spans) in enumerate(zip(input_ids, images))]
         for r in reqs:
             self.scheduler.add(r)
         while not all(r.finished for r in reqs):
@@ -135,19 +147,22 @@ class Engine:
     def generate(self, prompts: list[str] | str | None = None,
                  input_ids: list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 seed: int | None = None, stream: bool = False):
+                 seed: int | None = None, stream: bool = False,
+                 messages: list[list[dict]] | None = None):
         """Results in index order, or with stream=True an iterator of events in completion
-        order. `sampling_params`: one object for all items (its seed is the job seed unless
-        `seed` is given) or one per item (an item's own seed makes its samples independent
-        of where it sits)."""
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompts or input_ids")
+        order. Items: exactly one of `prompts`, `input_ids` or `messages` (chats of
+        OpenAI-style messages, rendered by the model's chat template; a content may be a
+        list of text and image_url parts, see chat.py). `sampling_params`: one object for all
+        items (its seed is the job seed unless `seed` is given) or one per item (an item's
+        own seed makes its samples independent of where it sits)."""
+        if sum(x is not None for x in (prompts, input_ids, messages)) != 1:
+            raise ValueError("give exactly one of prompts, input_ids or messages")
         if isinstance(prompts, str):
             prompts = [prompts]
-        src = prompts if prompts is not None else input_ids
+        src = next(x for x in (prompts, messages, input_ids) if x is not None)
         if not src:
             raise ValueError("prompts: the batch is empty")
-        items = [(i, x, None) if prompts is not None else (i, None, x) for i, x in enumerate(src)]
+        items = [(i, x, None) if input_ids is None else (i, None, x) for i, x in enumerate(src)]
         sp, seed = per_item(sampling_params, len(items), seed)
         events = self._run(items, sp, seed)
         return events if stream else self._gather(events, len(items))

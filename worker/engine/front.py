@@ -1,7 +1,8 @@
 """Fan-out / fan-in: a caller's batch becomes rid-tagged requests; their tokens come back
 as (index, sample)-tagged events.
 
-Fan-out tokenizes the batch (in one call when every item is text), gives each
+Fan-out tokenizes the batch (in one call when every item is text; a chat through its
+template, its images decoded: chat.py), gives each
 (item, sample) a rid, a seed derived from (job seed, item, sample) and, when its output has
 a grammar, a matcher of that grammar (compiled once: grammar.py), and for n > 1 first
 runs one max_new_tokens=0 warm-up per distinct prompt - all warm-ups in the same step - so
@@ -17,8 +18,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable
 
+from .chat import ChatEncoder
 from .detokenizer import Detokenizer
 from .events import Event, Usage
+from .images import ImageSpan
 from .grammar import GrammarError, Grammars
 from .req import Req
 from .sampling_params import SamplingParams, per_item
@@ -60,9 +63,10 @@ class _Warmup:
 
 class Front:
     def __init__(self, scheduler: Scheduler, tokenizer, max_context: int, kv_tokens: int,
-                 eos_ids: set[int], vocab_size: int):
+                 eos_ids: set[int], vocab_size: int, chats: ChatEncoder):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.chats = chats
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.kv_tokens = kv_tokens
@@ -85,21 +89,36 @@ class Front:
         return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
                 else list(p) for p in prompts]
 
+    def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
+        """(ids, image spans, error) per item: a chat's error (template, image) is its own."""
+        out: list = [None] * len(items)
+        plain = [i for i, (_, prompt, _) in enumerate(items) if not isinstance(prompt, list)]
+        for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
+                                                else items[i][2] for i in plain])):
+            out[i] = (ids, [], None)
+        for i, (index, chat, _) in enumerate(items):
+            if isinstance(chat, list):
+                try:
+                    out[i] = (*self.chats.encode(chat), None)
+                except ValueError as e:
+                    out[i] = ([], [], f"messages[{index}]: {e}")
+        return out
+
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
             sink: Sink | None) -> int:
-        """items: (index, prompt or None, input_ids or None); params: one SamplingParams for
-        all or one per item (see sampling_params.per_item). Returns the job seed used."""
+        """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
+        (a list of messages); params: one SamplingParams for all or one per item (see
+        sampling_params.per_item). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
         for index, prompt, ids in items:
             if (prompt is None) == (ids is None):
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
-        ids_list = self.tokenize([p if p is not None else ids for _, p, ids in items])
         group = next(self._ids)
         by_prompt: dict[tuple, _Warmup] = {}
-        for (index, _, _), ids, p in zip(items, ids_list, params):
-            error = self._check(ids, p)
+        for (index, _, _), (ids, images, error), p in zip(items, self.encode(items), params):
+            error = error or self._check(ids, p, images)
             grammar, matchers = p.grammar, [None] * p.n
             if error is None and grammar is not None:
                 try:  # compiled once per distinct grammar; a matcher per sample
@@ -109,11 +128,13 @@ class Front:
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
                         seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
                         eos_ids=self.eos_ids, tag=tag, index=index, sample=j,
-                        grammar=matchers[j]) for j in range(p.n)]
+                        grammar=matchers[j], images=images) for j in range(p.n)]
+            # Image positions have no text to give the first output tokens context.
+            text_ids = [t for t in ids if t < self.vocab_size] if images else ids
             for r in reqs:
                 self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,
-                                                              p.skip_special_tokens, ids), sink,
-                                              [] if p.logprobs else None)
+                                                              p.skip_special_tokens, text_ids),
+                                              sink, [] if p.logprobs else None)
             if error:
                 for r in reqs:
                     self.scheduler.finish(r, "error", error)
@@ -122,7 +143,8 @@ class Front:
                 key = tuple(ids)
                 if key not in by_prompt:
                     warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
-                               params=SamplingParams(max_new_tokens=0), seed=0, tag=tag)
+                               params=SamplingParams(max_new_tokens=0), seed=0, tag=tag,
+                               images=images)
                     by_prompt[key] = _Warmup(warm, [], sink)
                 by_prompt[key].samples.extend(reqs)
             else:
@@ -133,15 +155,17 @@ class Front:
             self.scheduler.add(w.req)
         return seed
 
-    def _check(self, ids: list[int], p: SamplingParams) -> str | None:
+    def _check(self, ids: list[int], p: SamplingParams, images: list[ImageSpan]) -> str | None:
         if not ids:
             return "prompt is empty"
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        pads = {s.image.pad for s in images}  # image positions: past the vocabulary by design
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size and t not in pads), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
         if len(ids) >= self.max_context:
-            return (f"prompt has {len(ids)} tokens; the model's context is {self.max_context} "
-                    f"(room for at least one new token is needed)")
+            expanded = f" ({len(images)} images expanded)" if images else ""
+            return (f"prompt has {len(ids)} tokens{expanded}; the model's context is "
+                    f"{self.max_context} (room for at least one new token is needed)")
         if min(len(ids) + p.max_new_tokens, self.max_context) > self.kv_tokens:
             return (f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
                     f"the KV pool ({self.kv_tokens} tokens)")

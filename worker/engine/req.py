@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from .grammar import Matcher
+    from .images import ImageSpan
     from .radix_cache import TreeNode
     from .sampler import TokenLogprob
 
@@ -33,6 +34,9 @@ class Req:
     sample: int = 0  # sample index within the item
     return_prompt_logits: bool = False
     grammar: Matcher | None = None  # a constrained output's matcher: advanced with each token
+    # Images in the prompt, in position order; their positions in input_ids hold the image's
+    # pad id (the radix cache key), the model replaces them with the image's features.
+    images: list[ImageSpan] = field(default_factory=list)
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -13,6 +13,74 @@ from dataclasses import dataclass, field
 from .registry import ARCHITECTURES, architecture, by_model_type
 
 
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """A LLaVA model's CLIP vision tower and projector (config.json's vision_config and the
+    top-level fields around it)."""
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str
+    feature_layer: int  # vision_feature_layer: whose hidden states feed the projector
+    select_strategy: str  # "default" drops the CLS feature, "full" keeps it
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_patches + (self.select_strategy == "full")
+
+    @property
+    def layers_used(self) -> int:
+        """Encoder layers run: hidden state i is the output of layer i (0: the embeddings)."""
+        layer = self.feature_layer
+        return layer + self.num_layers + 1 if layer < 0 else layer
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "VisionConfig":
+        v = raw.get("vision_config") or {}
+        if v.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise ValueError(f"config.json: vision tower {v.get('model_type')!r} is not supported "
+                             "(only CLIP)")
+        layer = raw.get("vision_feature_layer", -2)
+        strategy = raw.get("vision_feature_select_strategy", "default")
+        if not isinstance(layer, int):
+            raise ValueError("config.json: several vision_feature_layer values are not supported")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"config.json: vision_feature_select_strategy {strategy!r} unknown")
+        token = raw.get("image_token_id", raw.get("image_token_index"))
+        if token is None:
+            raise ValueError("config.json: missing required field 'image_token_index'")
+        from .llava import ACTIVATIONS
+        cfg = cls(hidden_size=int(v.get("hidden_size", 768)),
+                  intermediate_size=int(v.get("intermediate_size", 3072)),
+                  num_layers=int(v.get("num_hidden_layers", 12)),
+                  num_heads=int(v.get("num_attention_heads", 12)),
+                  image_size=int(v.get("image_size", 224)), patch_size=int(v.get("patch_size", 32)),
+                  num_channels=int(v.get("num_channels", 3)),
+                  layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)),
+                  hidden_act=v.get("hidden_act", "quick_gelu"), feature_layer=int(layer),
+                  select_strategy=strategy, projector_act=raw.get("projector_hidden_act", "gelu"),
+                  projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+                  image_token_id=int(token))
+        for act in (cfg.hidden_act, cfg.projector_act):
+            if act not in ACTIVATIONS:
+                raise ValueError(f"config.json: activation {act!r} is not supported")
+        if not 0 <= cfg.layers_used <= cfg.num_layers:
+            raise ValueError(f"config.json: vision_feature_layer {layer} out of range")
+        return cfg
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -34,6 +102,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...), if it says
+    vision: VisionConfig | None = None  # a vision-language model's; the rest is its text model
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -53,6 +122,10 @@ class ModelConfig:
     def from_dict(cls, raw: dict, gen: dict | None = None) -> "ModelConfig":
         arch = _architecture(raw)
         traits = ARCHITECTURES[arch]
+        vision = None
+        if traits.vision:  # the fields below are the text model's
+            vision = VisionConfig.from_dict(raw)
+            raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **raw.get("text_config", {})}
 
         def need(key):
             if raw.get(key) is None:
@@ -98,6 +171,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             eos_token_ids=[int(e) for e in eos],
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            vision=vision,
         )
 
 

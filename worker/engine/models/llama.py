@@ -134,7 +134,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, fb)
+
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        """Input embeddings [T, hidden] (a multimodal model splices in its own) -> final-normed
+        hidden states."""
         rope = self.rope(positions, h.dtype)  # cos/sin gathered once, used by every layer
         for layer in self.layers:
             h = layer(h, rope, fb)

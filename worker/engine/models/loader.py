@@ -61,6 +61,8 @@ def load_model(path: str, dtype="auto", device="cpu") -> tuple[nn.Module, ModelC
     with _checkpoint(path) as (cfg, tensors):
         dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
         arch = architecture(cfg.architecture)
+        if arch.renames:
+            tensors = {arch.rename(k): f for k, f in tensors.items()}
         with torch.device("meta"):
             model = arch.model_class(cfg, device=device)
         expected = model.state_dict()  # meta tensors: names and shapes only

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .llama import CausalLM
+from .llava import LlavaLM
 
 # Llama-style fused parameters -> the HF parameters concatenated (along dim 0) to make them.
 LLAMA_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -29,14 +30,38 @@ class Architecture:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     gguf: bool = False
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED)
+    # A vision-language model (config.json has text_config and vision_config; models/config.py).
+    vision: bool = False
+    # (checkpoint prefix, ours): the loader renames checkpoint weights by the first that
+    # matches, so the several layouts of one architecture's checkpoints load alike. With
+    # renames, our parameter names are the renamed checkpoint names (no "model." added).
+    renames: tuple[tuple[str, str], ...] = ()
 
     def checkpoint_names(self, name: str) -> list[str]:
-        """The HF checkpoint weights that make up our parameter `name`, in concat order."""
-        hf = name if name.startswith("lm_head.") else "model." + name
+        """The HF checkpoint weights (after `renames`) that make up our parameter `name`, in
+        concat order."""
+        hf = name if self.renames or name.startswith("lm_head.") else "model." + name
         for fused, parts in self.fused.items():
             if f".{fused}." in hf:
                 return [hf.replace(f".{fused}.", f".{p}.") for p in parts]
         return [hf]
+
+    def rename(self, hf: str) -> str:
+        for old, new in self.renames:
+            if hf.startswith(old):
+                return new + hf[len(old):]
+        return hf
+
+
+# transformers 5 in memory (model.*), transformers 4 and 5 on disk, and the llava-hf Hub
+# checkpoints (vision_tower.vision_model.*) -> LlavaLM's names.
+LLAVA_RENAMES = (
+    ("model.language_model.", "language_model."), ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "language_model.lm_head."), ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -45,6 +70,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(CausalLM, "qwen2", qkv_bias=True, o_bias=False, gguf=True),
     "Qwen3ForCausalLM": Architecture(CausalLM, "qwen3", qkv_bias=None, o_bias=True, qk_norm=True,
                                      gguf=True),
+    # A CLIP vision tower + projector + Llama; the language model's traits are Llama's.
+    "LlavaForConditionalGeneration": Architecture(LlavaLM, "llava", qkv_bias=None, o_bias=True,
+                                                  vision=True, renames=LLAVA_RENAMES),
 }
 
 

@@ -21,6 +21,15 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+IMAGE = "<image>"
+# LLaVA's: a string content as is; in a list of parts, text parts as is and one <image> per
+# image part (the processor expands it to the image's feature count).
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 # Training text for the tokenizer: stdlib modules present in every CPython install.
 CORPUS = ["textwrap.py", "string.py", "argparse.py", "json/decoder.py", "heapq.py", "bisect.py",
           "functools.py", "dataclasses.py", "shutil.py", "csv.py", "fractions.py", "calendar.py",
@@ -125,7 +134,7 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer_json(vocab_size: int) -> str:
+def _tokenizer_json(vocab_size: int, extra_special: tuple[str, ...] = ()) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -140,20 +149,102 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[BOS, EOS, PAD, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return tok.to_str()
 
 
-def _tokenizer(vocab_size: int):
+def _tokenizer(vocab_size: int, extra_special: tuple[str, ...] = (),
+               chat_template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_str(_tokenizer_json(vocab_size))
+    tok = Tokenizer.from_str(_tokenizer_json(vocab_size, extra_special))
     # Plain encode() starts with bos, like Llama; the chat template writes its own.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, chat_template=CHAT_TEMPLATE)
+                                   pad_token=PAD, chat_template=chat_template)
+
+
+def build_tiny_llava(out_dir: str, image_size: int = 28, patch_size: int = 14,
+                     vision_hidden: int = 32, vision_layers: int = 2,
+                     shortest_edge: int | None = None, seed: int = 0, **text) -> str:
+    """A random-weight LlavaForConditionalGeneration in `out_dir`: a CLIP vision tower of
+    `vision_layers` layers over image_size**2 pixels in patch_size**2 patches, the projector,
+    and the Llama of build_tiny_model (`text`: its size arguments). Its tokenizer has the
+    `<image>` special token and LLAVA_CHAT_TEMPLATE; the processor (CLIP image processor:
+    the shortest edge resized to `shortest_edge`, default image_size, then a center crop to
+    image_size) is saved alongside, so transformers' AutoProcessor loads it. The Llama's
+    weights are build_tiny_model's; the vision tower's drawn the same way (matrices with gain
+    2). Idempotent."""
+    settings = dict(format=FORMAT, arch="llava", image_size=image_size, patch_size=patch_size,
+                    vision_hidden=vision_hidden, vision_layers=vision_layers,
+                    shortest_edge=shortest_edge or image_size,
+                    seed=seed, text=text)
+    if _stamp(out_dir) == settings:
+        return out_dir
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and _stamp(out_dir) is None:
+        raise ValueError(f"out_dir {out_dir!r} is not empty and was not made by build_tiny_llava")
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = _tokenizer(text.get("vocab_size", 512), (IMAGE,), LLAVA_CHAT_TEMPLATE)
+    lm = _model(dict(_text_settings(text), seed=seed), tokenizer, torch.float32)
+    vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                              num_hidden_layers=vision_layers, num_attention_heads=2,
+                              image_size=image_size, patch_size=patch_size,
+                              projection_dim=vision_hidden)
+    config = LlavaConfig(vision_config=vision, text_config=lm.config,
+                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+                         image_seq_length=(image_size // patch_size) ** 2)
+    with torch.random.fork_rng(devices=[]):
+        model = LlavaForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        lm_params = dict(lm.named_parameters())
+        for name, p in model.named_parameters():
+            if "language_model" in name or name.startswith("lm_head"):
+                p.copy_(lm_params[name.replace("model.language_model.", "model.")])
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("bias") or p.dim() == 1:  # biases, CLIP's class embedding
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "position_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * (2.0 / fan_in ** 0.5))
+    model.generation_config = lm.generation_config
+    model.save_pretrained(tmp)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": settings["shortest_edge"]},
+                                            crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor, tokenizer, patch_size=patch_size,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(tmp)
+    with open(os.path.join(tmp, STAMP), "w") as f:
+        json.dump(settings, f)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:  # another process built the same folder first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _stamp(out_dir) != settings:
+            raise
+    return out_dir
+
+
+def _text_settings(text: dict) -> dict:
+    """build_tiny_model's settings for a Llama of these size arguments."""
+    s = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             intermediate_size=128, vocab_size=512, max_context=1024, weight_scale=4.0,
+             tie_word_embeddings=False, rope_scaling=None)
+    unknown = set(text) - set(s)
+    if unknown:
+        raise TypeError(f"unknown text model arguments: {', '.join(sorted(unknown))}")
+    return {**s, **text}
