@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from worker.engine.sampling_params import SamplingParams, per_item
-from worker.spec import KINDS, JobInput, JobSpec
+from worker.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
 
 from .tenants import LIMITS
 
@@ -22,7 +22,7 @@ SamplingParamsField = Annotated[
     Annotated[SamplingParams, Tag("one")] | Annotated[list[SamplingParams], Tag("per_item")],
     Discriminator(lambda v: "per_item" if isinstance(v, list) else "one"),
 ]
-UNION_TAGS = frozenset({"one", "per_item"})
+UNION_TAGS = frozenset({"one", "per_item"}) | CONTENT_TAGS
 
 
 class JobRequest(JobInput):

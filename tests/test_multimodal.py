@@ -152,3 +152,16 @@ def test_bad_items_fail_alone(llava):
     assert "only data:image/...;base64 URLs" in errors[1]
     assert "65 images expanded" in errors[2] and "context is 256" in errors[2]
     eng.check()
+
+
+
+def test_text_only_parts_are_one_string(tmp_path):
+    """A message of text parts only reaches the template as one string: a text model's
+    template prints a list as it is."""
+    from worker.engine.chat import ChatEncoder
+    from worker.engine.models.loader import load_tokenizer
+    from worker.engine.models.tiny import build_tiny_model
+
+    chats = ChatEncoder(load_tokenizer(build_tiny_model(str(tmp_path / "llama"))), None)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "red "}, {"type": "text", "text": "fox"}]}]
+    assert chats.encode(parts) == chats.encode([{"role": "user", "content": "red fox"}])

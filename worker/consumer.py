@@ -122,6 +122,8 @@ class Consumer(BaseWorker):
         self.metrics.watch(self)
         self.model = model  # the name it serves under: GET /v1/models, a request's `model`, job status
         self._model_since = int(time.time())
+        front = getattr(engine, "front", None)  # whether chats may hold images (GET /v1/models' check)
+        self.takes_images = getattr(getattr(front, "chats", None), "vision", None) is not None
         self.settings = settings
         self.drain_timeout = drain_timeout
         self.heartbeat_ttl = settings.heartbeat_ttl
@@ -396,7 +398,8 @@ class Consumer(BaseWorker):
             for a in actives:
                 a.execution.heartbeat(a.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
             pipe.hset(keys.models(), self.model, json.dumps(
-                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl}))
+                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl,
+                 "images": self.takes_images}))
             answers = pipe.execute()
         if answers[len(actives)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:
@@ -514,14 +517,9 @@ class Consumer(BaseWorker):
         if kind == "prompts":
             return (index, item, None)
         if kind == "messages":
-            tok = self.engine.tokenizer
-            try:
-                text = tok.apply_chat_template([m.model_dump() for m in item], tokenize=False,
-                                               add_generation_prompt=True)
-            except Exception as e:
-                raise ValueError(f"messages[{index}]: chat template failed: {e}") from None
-            # The template already holds the special tokens (BOS) it wants.
-            return (index, None, tok(text, add_special_tokens=False)["input_ids"])
+            # A chat: the engine renders its template and decodes its images (chat.py); a
+            # bad chat or image fails its item alone, in the engine's events.
+            return (index, [m.chat_dict() for m in item], None)
         return (index, None, item)  # the engine fails an item with an id outside the vocabulary
 
     def record(self, batch: Batch, a: Active, index: int, sample: int, rec: dict,

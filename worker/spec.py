@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from .engine.sampling_params import SamplingParams, TokenId
 
@@ -31,14 +31,73 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+DATA_URL_PREFIX = "data:image/"
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(Strict):
+    url: str = Field(min_length=1, description=(
+        "a data:image/...;base64 URL (PNG, JPEG or WebP); its size is bounded by the body "
+        "limit (FANOUT_MAX_BODY_BYTES)"))
+
+    @field_validator("url")
+    @classmethod
+    def _data_url(cls, v: str) -> str:
+        head, sep, _ = v[:256].partition(",")
+        if not (sep and head.startswith(DATA_URL_PREFIX) and head.endswith(";base64")):
+            raise ValueError("only data:image/<format>;base64,<data> URLs are supported")
+        return v
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_tag(v) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return {"text": "text_part", "image_url": "image_part"}.get(kind)
+
+
+PART_ERROR = "a content part is {type: text, text} or {type: image_url, image_url: {url}}"
+ContentPart = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
+                        Discriminator(_part_tag, custom_error_type="content_part",
+                                      custom_error_message=PART_ERROR)]
+Parts = Annotated[list[ContentPart], Field(min_length=1)]
+
+
+def content_type(parts):
+    """A message's content: a string, or a list of `parts` (error locations tagged `string` /
+    `parts`, which the API drops with CONTENT_TAGS, so one reads messages.0.0.content.1.image_url.url)."""
+    return Annotated[Annotated[str, Tag("string")] | Annotated[parts, Tag("parts")],
+                     Discriminator(lambda v: "string" if isinstance(v, str) else "parts")]
+
+
+CONTENT_TAGS = frozenset({"string", "parts", "text_part", "image_part"})
+
+
 class Message(Strict):
     role: Annotated[str, Field(min_length=1, max_length=64)]
-    content: str
+    content: content_type(Parts) = Field(description=(
+        "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
+        "(data URLs; images need a model that takes them)"))
+
+    def chat_dict(self) -> dict:
+        """The message as the engine takes it (chat.py)."""
+        return self.model_dump(mode="json")
+
+    def has_images(self) -> bool:
+        return not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content)
 
 
 class JobInput(Strict):
     """The items of a job: exactly one of `prompts`, `input_ids`, `messages` (one chat per
-    item, templated by the worker's tokenizer with the generation prompt)."""
+    item, templated by the worker's tokenizer with the generation prompt; its images
+    decoded by the engine, a bad one failing its item alone)."""
     prompts: list[NonEmptyStr] | None = Field(None, min_length=1)
     input_ids: list[Annotated[list[TokenId], Field(min_length=1)]] | None = Field(None, min_length=1)
     messages: list[Annotated[list[Message], Field(min_length=1)]] | None = Field(None, min_length=1)

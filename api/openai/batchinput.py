@@ -13,11 +13,11 @@ from pydantic import ValidationError
 
 from worker.engine.sampling_params import SamplingParams
 from worker.settings import Settings
-from worker.spec import CustomId, Message
+from worker.spec import CustomId
 
 from ..schemas import JobRequest
 from .errors import OpenAIError, param
-from .schemas import ChatCompletionRequest, CompletionRequest, Strict, sampling_params
+from .schemas import ChatCompletionRequest, CompletionRequest, Strict, first_image, sampling_params
 
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 MAX_ERRORS = 20  # reported per file
@@ -112,9 +112,11 @@ def _params(body, settings: Settings) -> SamplingParams:
     return sampling_params(body, settings)
 
 
-def job(requests: list[Request], endpoint: str, served: set[str], **fields) -> JobRequest:
+def job(requests: list[Request], endpoint: str, served: set[str], vision: set[str] | None = None,
+        **fields) -> JobRequest:
     """The native job of a batch: one item per line. Raises Invalid when a line does not fit
-    the batch (another url, a model not served, mixed kinds of prompt)."""
+    the batch (another url, a model not served, mixed kinds of prompt, an image for a model
+    that takes none: `vision`, the served models that take images)."""
     errors = []
     models = {r.body.model for r in requests}
     for r in requests:
@@ -124,6 +126,11 @@ def job(requests: list[Request], endpoint: str, served: set[str], **fields) -> J
         elif r.body.model not in served:
             errors.append(LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)",
                                     "body.model", "model_not_found"))
+        elif (endpoint == "/v1/chat/completions" and r.url == endpoint
+              and (part := first_image(r.body.messages)) is not None and r.body.model not in (vision or set())):
+            errors.append(LineError(r.line, f"body.{part}: image_url parts are not supported by the model "
+                                            f"{r.body.model!r} (it takes text only)", f"body.{part}",
+                                    "unsupported_parameter"))
         elif len(models) > 1:
             errors.append(LineError(r.line, f"every line must name the same model ({len(models)} named)",
                                     "body.model", "mismatched_model"))
@@ -132,7 +139,7 @@ def job(requests: list[Request], endpoint: str, served: set[str], **fields) -> J
     if errors:
         raise Invalid(errors)
     if endpoint == "/v1/chat/completions":
-        items = {"messages": [[Message(role=m.role, content=m.text()) for m in r.body.messages] for r in requests]}
+        items = {"messages": [[m.job_message() for m in r.body.messages] for r in requests]}
     elif all(isinstance(r.body.prompt, str) for r in requests):
         items = {"prompts": [r.body.prompt for r in requests]}
     elif all(isinstance(r.body.prompt, list) for r in requests):

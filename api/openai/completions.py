@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from results import events, keys
 from results.reader import Rebuilder
-from worker.spec import Message
 
 from .. import jobs
 from ..schemas import JobRequest
 from ..submit import settle
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
-from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
+from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, first_image,
+                      sampling_params)
 
 router = APIRouter()
 
@@ -38,7 +38,10 @@ def _ok(model) -> dict:
 @router.post("/chat/completions", response_model=None, responses={**_ok(ChatCompletion), **FAILED})
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     """A chat completion: the messages go through the model's chat template."""
-    chats = [[Message(role=m.role, content=m.text()) for m in req.messages]]
+    chats = [[m.job_message() for m in req.messages]]
+    part = first_image(req.messages)
+    if part is not None:
+        await anyio.to_thread.run_sync(models.require_images, request.app.state.redis, req.model, part)
     return await _serve(request, req, {"messages": chats}, "chatcmpl-")
 
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from worker.spec import CONTENT_TAGS
+
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error"}
+
+
+SKIP = frozenset({"body", "query", "path", "form"}) | CONTENT_TAGS  # not names of fields
 
 
 class ErrorBody(BaseModel):
@@ -52,7 +57,7 @@ def not_found(what: str, id: str, code: str | None = None) -> OpenAIError:
 
 def param(loc) -> str | None:
     """A pydantic location as OpenAI names a parameter: messages.0.content -> messages[0].content."""
-    parts = [p for p in loc if p not in ("body", "query", "path", "form")]
+    parts = [p for p in loc if p not in SKIP]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))

@@ -33,6 +33,20 @@ def require(redis, name: str) -> None:
                                "lists the served ones)", param="model", code="model_not_found")
 
 
+def takes_images(redis, name: str) -> bool:
+    """Whether `name`'s workers take images in chats (None: no worker serves it; an entry
+    from a worker that does not say: taken as not)."""
+    raw = redis.hget(keys.models(), name)
+    return None if raw is None else bool(json.loads(raw).get("images"))
+
+
+def require_images(redis, name: str, part: str | None) -> None:
+    """OpenAIError 400 naming the first image part when `name` does not take images."""
+    if part is not None and takes_images(redis, name) is False:  # not served: require's 404
+        raise OpenAIError(400, f"{part}: image_url parts are not supported by the model '{name}' "
+                               "(it takes text only)", param=part, code="unsupported_parameter")
+
+
 @router.get("/models", response_model=ModelList)
 def list_models(request: Request):
     """The models that live workers serve."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model,
+                      model_validator)
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
 from worker.settings import Settings
-from worker.spec import NonEmptyStr
+from worker.spec import PART_ERROR, ImageURL, Message, NonEmptyStr, content_type
 
 from ..schemas import MetadataKey, MetadataValue, Priority
 from .errors import OpenAIError
@@ -81,12 +82,53 @@ class TextPart(Strict):
     text: str
 
 
+class ChatImageURL(ImageURL):
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted and ignored")
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ChatImageURL
+
+
+def _part_tag(v) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return {"text": "text_part", "image_url": "image_part"}.get(kind)
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
+                        Discriminator(_part_tag, custom_error_type="content_part",
+                                      custom_error_message=PART_ERROR)]
+
+
 class ChatMessage(Strict):
     role: Annotated[str, Field(min_length=1, max_length=64)]
-    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+    content: content_type(list[ContentPart]) = Field(description=(
+        "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
+        "takes images)"))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def image_parts(self) -> list[int]:
+        """Positions of the image parts in the content."""
+        return [] if isinstance(self.content, str) else [
+            j for j, p in enumerate(self.content) if p.type == "image_url"]
+
+    def job_message(self) -> Message:
+        """The job's message: text-only content joined into one string (as before images),
+        else the parts as given (`detail` dropped)."""
+        if not self.image_parts():
+            return Message(role=self.role, content=self.text())
+        return Message.model_validate({"role": self.role, "content": [
+            {"type": "text", "text": p.text} if p.type == "text"
+            else {"type": "image_url", "image_url": {"url": p.image_url.url}} for p in self.content]})
+
+
+def first_image(messages: list[ChatMessage]) -> str | None:
+    """The OpenAI name of the first image part, e.g. messages[0].content[1]; None if none."""
+    return next((f"messages[{i}].content[{m.image_parts()[0]}]" for i, m in enumerate(messages)
+                 if m.image_parts()), None)
 
 
 ChatCompletionRequest = create_model(

@@ -47,7 +47,11 @@ class ChatEncoder:
                         parts.append({"type": "image"})
                     else:
                         raise ValueError(f"message {i}: unknown content part type {kind!r}")
-                m = {**m, "content": parts}
+                if all(p["type"] == "text" for p in parts):
+                    # Text only: one string, which every chat template takes (as OpenAI joins).
+                    m = {**m, "content": "".join(p["text"] for p in parts)}
+                else:
+                    m = {**m, "content": parts}
             messages.append(m)
         if urls and self.vision is None:
             raise ValueError("this model does not take images")
