@@ -64,15 +64,17 @@ def _part_tag(v) -> str | None:
 
 
 PART_ERROR = "a content part is {type: text, text} or {type: image_url, image_url: {url}}"
-ContentPart = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
-                        Discriminator(_part_tag, custom_error_type="content_part",
-                                      custom_error_message=PART_ERROR)]
-Parts = Annotated[list[ContentPart], Field(min_length=1)]
 
 
-def content_type(parts):
-    """A message's content: a string, or a list of `parts` (error locations tagged `string` /
-    `parts`, which the API drops with CONTENT_TAGS, so one reads messages.0.0.content.1.image_url.url)."""
+def content_type(image_part: type[ImagePart] = ImagePart):
+    """A message's content: a string, or a non-empty list of text parts and `image_part`s (the
+    OpenAI surface passes its own, whose URL also takes `detail`). Error locations are tagged
+    `string` / `parts` / `text_part` / `image_part`, which the API drops with CONTENT_TAGS, so
+    one reads messages.0.0.content.1.image_url.url."""
+    part = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[image_part, Tag("image_part")],
+                     Discriminator(_part_tag, custom_error_type="content_part",
+                                   custom_error_message=PART_ERROR)]
+    parts = Annotated[list[part], Field(min_length=1)]
     return Annotated[Annotated[str, Tag("string")] | Annotated[parts, Tag("parts")],
                      Discriminator(lambda v: "string" if isinstance(v, str) else "parts")]
 
@@ -82,7 +84,7 @@ CONTENT_TAGS = frozenset({"string", "parts", "text_part", "image_part"})
 
 class Message(Strict):
     role: Annotated[str, Field(min_length=1, max_length=64)]
-    content: content_type(Parts) = Field(description=(
+    content: content_type() = Field(description=(
         "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
         "(data URLs; images need a model that takes them)"))
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (AwareDatetime, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, create_model,
-                      model_validator)
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
 from worker.settings import Settings
-from worker.spec import PART_ERROR, ImageURL, Message, NonEmptyStr, content_type
+from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, content_type
 
 from ..schemas import MetadataKey, MetadataValue, Priority
 from .errors import OpenAIError
@@ -77,33 +76,17 @@ class Request(Strict):
     user: str | None = Field(None, max_length=512, description="kept in the job's metadata as `user`")
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatImageURL(ImageURL):
     detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted and ignored")
 
 
-class ImagePart(Strict):
-    type: Literal["image_url"]
+class ChatImagePart(ImagePart):
     image_url: ChatImageURL
-
-
-def _part_tag(v) -> str | None:
-    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return {"text": "text_part", "image_url": "image_part"}.get(kind)
-
-
-ContentPart = Annotated[Annotated[TextPart, Tag("text_part")] | Annotated[ImagePart, Tag("image_part")],
-                        Discriminator(_part_tag, custom_error_type="content_part",
-                                      custom_error_message=PART_ERROR)]
 
 
 class ChatMessage(Strict):
     role: Annotated[str, Field(min_length=1, max_length=64)]
-    content: content_type(list[ContentPart]) = Field(description=(
+    content: content_type(ChatImagePart) = Field(description=(
         "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
         "takes images)"))
 

@@ -60,21 +60,35 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
                     max_context=max_context, weight_scale=weight_scale, seed=seed,
                     dtype=str(dtype).removeprefix("torch."), shards=shards,
                     tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
-    if _stamp(out_dir) == settings:
-        return out_dir
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and _stamp(out_dir) is None:
-        raise ValueError(f"out_dir {out_dir!r} is not empty and was not made by build_tiny_model")
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be at least 300 (256 bytes + merges), got {vocab_size}")
-
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _workdir(out_dir, settings, "build_tiny_model")
+    if tmp is None:
+        return out_dir
     tokenizer = _tokenizer(vocab_size)
     tokenizer.save_pretrained(tmp)
     model = _model(settings, tokenizer, dtype)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     # A shard holds at least one tensor, so this gives about `shards` files.
     model.save_pretrained(tmp, max_shard_size=size // shards + 1 if shards > 1 else "50GB")
+    return _publish(tmp, out_dir, settings)
+
+
+def _workdir(out_dir: str, settings: dict, builder: str) -> str | None:
+    """An empty temporary folder to build `settings` in, or None if out_dir already holds
+    them. Refuses to replace a folder the builders did not make."""
+    if _stamp(out_dir) == settings:
+        return None
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and _stamp(out_dir) is None:
+        raise ValueError(f"out_dir {out_dir!r} is not empty and was not made by {builder}")
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _publish(tmp: str, out_dir: str, settings: dict) -> str:
+    """Stamp the built folder and move it into place in one rename, so a reader sees a whole
+    model or none."""
     with open(os.path.join(tmp, STAMP), "w") as f:
         json.dump(settings, f)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -185,15 +199,12 @@ def build_tiny_llava(out_dir: str, image_size: int = 28, patch_size: int = 14,
                     vision_hidden=vision_hidden, vision_layers=vision_layers,
                     shortest_edge=shortest_edge or image_size,
                     seed=seed, text=text)
-    if _stamp(out_dir) == settings:
+    tmp = _workdir(out_dir, settings, "build_tiny_llava")
+    if tmp is None:
         return out_dir
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and _stamp(out_dir) is None:
-        raise ValueError(f"out_dir {out_dir!r} is not empty and was not made by build_tiny_llava")
     from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = _tokenizer(text.get("vocab_size", 512), (IMAGE,), LLAVA_CHAT_TEMPLATE)
     lm = _model(dict(_text_settings(text), seed=seed), tokenizer, torch.float32)
     vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
@@ -227,16 +238,7 @@ def build_tiny_llava(out_dir: str, image_size: int = 28, patch_size: int = 14,
     LlavaProcessor(image_processor, tokenizer, patch_size=patch_size,
                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                    chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(tmp)
-    with open(os.path.join(tmp, STAMP), "w") as f:
-        json.dump(settings, f)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:  # another process built the same folder first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _stamp(out_dir) != settings:
-            raise
-    return out_dir
+    return _publish(tmp, out_dir, settings)
 
 
 def _text_settings(text: dict) -> dict:
