@@ -1,26 +1,39 @@
-"""LLaVA image input: preprocessing, logits and greedy tokens against transformers (its own
-processor and LlavaForConditionalGeneration), the prefix cache keyed by image content, and
-per-item failures."""
+"""Image input, LLaVA, Qwen2-VL and Qwen2.5-VL: preprocessing, logits and greedy tokens against
+transformers (its own processor and model), M-RoPE positions, the prefix cache keyed by image
+content, and per-item failures."""
 import base64
 import io
 
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image as PILImage
 
 from worker.engine import Engine, SamplingParams
-from worker.engine.images import ImageProcessor, decode_data_url
-from worker.engine.models.tiny import build_tiny_llava
+from worker.engine.image_urls import ImageSources
+from worker.engine.images import decode_image, image_processor
+from worker.engine.models.config import ModelConfig
+from worker.engine.models.tiny import build_tiny_llava, build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+from worker.engine.req import Req
 
 LOGIT_TOL = 5e-4  # fp32, max abs difference, as tests/test_engine.py
 SIZES = [(40, 28), (28, 61), (100, 75)]  # (width, height): resized and cropped differently
+# Per model: the prefill chunk, small enough that chunks split images (LLaVA's are 4 tokens,
+# Qwen2-VL's and Qwen2.5-VL's 4 to 48).
+CHUNK = {"LlavaForConditionalGeneration": 24, "Qwen2VLForConditionalGeneration": 16,
+         "Qwen2_5_VLForConditionalGeneration": 16}
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    # Shortest edge 32, crop 28: resizing and cropping both do something.
-    return build_tiny_llava(str(tmp_path_factory.mktemp("llava") / "m"), shortest_edge=32,
-                            max_context=256)
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen2_5_vl"])
+def vlm(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param) / "m")
+    if request.param == "llava":
+        # Shortest edge 32, crop 28: resizing and cropping both do something.
+        return build_tiny_llava(path, shortest_edge=32, max_context=256)
+    if request.param == "qwen2_5_vl":
+        # Windows of 2 x 2 tokens: SIZES[2]'s 3 x 4 tokens span four, two cut short.
+        return build_tiny_qwen2_5_vl(path, max_context=256)
+    return build_tiny_qwen2_vl(path, max_context=256)
 
 
 def picture(w, h, seed):
@@ -52,26 +65,48 @@ def hf_inputs(processor, messages, images):
 
 
 @pytest.fixture(scope="module")
-def hf(llava):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-    return (AutoProcessor.from_pretrained(llava),
-            LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval())
+def hf(vlm):
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+    if model.config.model_type == "llava":
+        return AutoProcessor.from_pretrained(vlm), model
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    own = Qwen2_5_VLProcessor if model.config.model_type == "qwen2_5_vl" else Qwen2VLProcessor
+
+    class ImageOnly(own):
+        """Without the video processor, which needs torchvision."""
+
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm)
+    return ImageOnly(Qwen2VLImageProcessorPil.from_pretrained(vlm), tokenizer, None,
+                     chat_template=tokenizer.chat_template), model
 
 
 @pytest.fixture(scope="module")
-def engine(llava):
-    return Engine(llava, page_size=4, max_prefill_tokens=24)  # an image is 4 tokens: chunks split them
+def engine(vlm):
+    chunk = CHUNK[ModelConfig.from_dir(vlm).architecture]
+    return Engine(vlm, page_size=4, max_prefill_tokens=chunk)
 
 
-def test_preprocessing_matches_transformers(llava, hf):
+def test_preprocessing_matches_transformers(vlm, hf):
     processor, _ = hf
-    ours = ImageProcessor.from_dir(llava)
-    for k, (w, h) in enumerate(SIZES + [(28, 28), (300, 41)]):
-        img = decode_data_url(data_url(picture(w, h, k), "WEBP" if k % 2 else "PNG"))
-        ref = processor.image_processor(img, return_tensors="pt")["pixel_values"][0]
-        got = ours(img)
-        assert got.shape == ref.shape == (3, 28, 28)
-        assert (got - ref).abs().max().item() < 1e-6
+    ours = image_processor(vlm, ModelConfig.from_dir(vlm).vision)
+    # The last two: Qwen2-VL scales them up to min_pixels and down to max_pixels.
+    for k, (w, h) in enumerate(SIZES + [(28, 28), (300, 41), (3, 2), (600, 400)]):
+        img = decode_image(ImageSources().read(data_url(picture(w, h, k), "WEBP" if k % 2 else "PNG")))
+        ref = processor.image_processor(img, return_tensors="pt")
+        got, tokens, grid = ours(img)
+        assert got.numel() == ref["pixel_values"].numel()
+        assert (got - ref["pixel_values"].view(got.shape)).abs().max().item() < 1e-6
+        if "image_grid_thw" in ref:  # its grid of patches; ours is of tokens (2 x 2 patches)
+            t, gh, gw = ref["image_grid_thw"][0].tolist()
+            assert grid == (t, gh // 2, gw // 2) and tokens == t * gh * gw // 4
+        else:
+            assert got.shape == (3, 28, 28) and grid is None
 
 
 def test_greedy_and_logits_match_transformers(engine, hf):
@@ -90,9 +125,12 @@ def test_greedy_and_logits_match_transformers(engine, hf):
             ref = model.generate(**inputs, max_new_tokens=max_new, min_new_tokens=max_new,
                                  do_sample=False, pad_token_id=0)
             seq = ref[:, :-1]  # teacher-forced over prompt + all but the last new token
-            pixels = inputs.get("pixel_values")
-            ref_logits = model(input_ids=seq, pixel_values=pixels).logits[0, -max_new:]
-        n = inputs["input_ids"].shape[1]
+            n = inputs["input_ids"].shape[1]
+            extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+            if "mm_token_type_ids" in extra:  # Qwen2-VL's, per token: the new ones are text
+                types = extra["mm_token_type_ids"]
+                extra["mm_token_type_ids"] = F.pad(types, (0, seq.shape[1] - n))
+            ref_logits = model(input_ids=seq, **extra).logits[0, -max_new:]
         assert item.samples[0].token_ids == ref[0, n:].tolist()
         # Ours for the same positions, computed afresh (the cache flushed).
         ids, spans = engine.front.chats.encode(c)
@@ -105,8 +143,35 @@ def test_greedy_and_logits_match_transformers(engine, hf):
     engine.check()
 
 
-def test_prefix_cache_keys_images_by_content(llava):
-    eng = Engine(llava, page_size=4)
+def test_positions_match_transformers(engine, hf):
+    """A prompt's positions (Qwen2-VL: M-RoPE's three rows) are transformers', however a
+    chunk boundary splits it; the tokens after it continue in one row."""
+    processor, model = hf
+    pics = [picture(w, h, 20 + k) for k, (w, h) in enumerate(SIZES)]
+    c = chat("where", pics, image_first=False)
+    ids, spans = engine.front.chats.encode(c)
+    n = len(ids)
+    if hasattr(model.model, "get_rope_index"):
+        inputs = hf_inputs(processor, c, pics)
+        ref, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                inputs["image_grid_thw"])
+        ref, delta = ref[:, 0].tolist(), delta.item()
+        assert delta < 0
+    else:
+        ref, delta = [list(range(n))] * 3, 0
+    req = Req("r", ids, SamplingParams(), 0, images=spans)
+
+    def rows(p):
+        return [list(p)] * 3 if isinstance(p, range) else list(p)
+
+    for cut in range(n + 1):
+        parts = zip(rows(req.positions(0, cut)), rows(req.positions(cut, n)))
+        assert [a + b for a, b in parts] == ref
+    assert req.positions(n, n + 3) == range(n + delta, n + 3 + delta)
+
+
+def test_prefix_cache_keys_images_by_content(vlm):
+    eng = Engine(vlm, page_size=4)
     sp = SamplingParams(max_new_tokens=4, temperature=0)
     a, b = picture(40, 30, 1), picture(40, 30, 2)  # same size: same token count and positions
     text = "what is in this picture? answer at length please"
@@ -133,8 +198,8 @@ def test_prefix_cache_keys_images_by_content(llava):
     eng.check()
 
 
-def test_bad_items_fail_alone(llava):
-    eng = Engine(llava, page_size=4)
+def test_bad_items_fail_alone(vlm):
+    eng = Engine(vlm, page_size=4)
     sp = SamplingParams(max_new_tokens=3, temperature=0)
     good = chat("fine", [picture(30, 30, 3)])
     not_image = [{"role": "user", "content": [
@@ -149,10 +214,89 @@ def test_bad_items_fail_alone(llava):
     errors = [it.samples[0].error for it in out[1:]]
     assert [it.samples[0].finish_reason for it in out[1:]] == ["error"] * 3
     assert "messages[1]: image 0: not a decodable PNG, JPEG or WebP image" in errors[0]
-    assert "only data:image/...;base64 URLs" in errors[1]
+    assert "https: image URLs are not taken by this worker" in errors[1]
     assert "65 images expanded" in errors[2] and "context is 256" in errors[2]
     eng.check()
 
+
+def test_qwen2_vl_checkpoint_layouts():
+    """transformers 4's config.json (text fields at the top level, rope_scaling of type
+    "mrope") reads as transformers 5's does; both weight layouts map onto ours; an unknown
+    vision tower is refused by name."""
+    from worker.engine.models.registry import architecture
+
+    raw = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+           "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+           "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+           "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": 32768,
+           "use_sliding_window": False, "tie_word_embeddings": True, "image_token_id": 151655,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                             "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
+                             "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.mrope_section, cfg.rope_scaling, cfg.rope_theta) == ((16, 24, 24), None, 1e6)
+    assert cfg.tie_word_embeddings and cfg.max_context == 32768 and cfg.head_dim == 128
+    assert (cfg.vision.depth, cfg.vision.out_size, cfg.vision.image_token_id) == (32, 1536, 151655)
+    arch = architecture(cfg.architecture)
+    for theirs, ours in [("model.visual.merger.ln_q.weight", "visual.merger.ln_q.weight"),
+                         ("visual.merger.ln_q.weight", "visual.merger.ln_q.weight"),
+                         ("model.language_model.norm.weight", "language_model.norm.weight"),
+                         ("model.norm.weight", "language_model.norm.weight"),
+                         ("lm_head.weight", "language_model.lm_head.weight")]:
+        assert arch.rename(theirs) == ours
+    with pytest.raises(ValueError, match="vision_config.model_type 'siglip_vision_model'"):
+        ModelConfig.from_dict({**raw, "vision_config": {"model_type": "siglip_vision_model"}})
+
+
+def test_qwen2_5_vl_config_reads_as_transformers():
+    """The Hub's Qwen2.5-VL config.json (transformers 4's layout: text fields at the top level,
+    vision_config without a model_type) reads as transformers reads it."""
+    from transformers import Qwen2_5_VLConfig
+
+    raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+           "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+           "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+           "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+           "tie_word_embeddings": True, "image_token_id": 151655,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                             "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                             "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                             "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                             "temporal_patch_size": 2}}
+    cfg, ref = ModelConfig.from_dict(raw), Qwen2_5_VLConfig(**raw)
+    v, rv = cfg.vision, ref.vision_config
+    assert (v.embed_dim, v.out_size, v.depth, v.num_heads, v.intermediate_size, v.hidden_act,
+            v.window_size, v.full_blocks) == (
+        rv.hidden_size, rv.out_hidden_size, rv.depth, rv.num_heads, rv.intermediate_size,
+        rv.hidden_act, rv.window_size, tuple(rv.fullatt_block_indexes))
+    t, rope = ref.text_config, ref.text_config.rope_parameters
+    assert (cfg.hidden_size, cfg.num_layers, cfg.max_context, cfg.rope_theta,
+            cfg.mrope_section) == (t.hidden_size, t.num_hidden_layers, t.max_position_embeddings,
+                                   rope["rope_theta"], tuple(rope["mrope_section"]))
+    assert cfg.tie_word_embeddings and ref.tie_word_embeddings
+
+
+@pytest.mark.parametrize("vlm", ["qwen2_5_vl"], indirect=True)
+def test_qwen2_5_vl_windows_match_transformers(vlm, hf):
+    """Qwen2.5-VL's vision encoder equals transformers' on images of several windows, some cut
+    short at the edges; the tiny model has both windowed and full-attention blocks."""
+    from worker.engine.models.loader import load_model
+
+    _, model = hf
+    ours, cfg = load_model(vlm)
+    assert 0 < len(cfg.vision.full_blocks) < cfg.vision.depth
+    processor = image_processor(vlm, cfg.vision)
+    for k, (w, h) in enumerate([(100, 75), (300, 41), (600, 400)]):
+        pixels, _, (t, gh, gw) = processor(picture(w, h, 30 + k))
+        _, windows = ours.visual.windows([(t, gh, gw)])
+        assert len(windows) > 1 and len(set(windows)) > 1  # whole windows and cut ones
+        with torch.no_grad():
+            got = ours.visual(pixels, [(t, gh, gw)])
+            grid = torch.tensor([[t, 2 * gh, 2 * gw]])  # transformers' grid is of patches
+            ref = model.model.get_image_features(pixels, grid).pooler_output[0]
+        assert (got - ref).abs().max().item() < 1e-5
 
 
 def test_text_only_parts_are_one_string(tmp_path):

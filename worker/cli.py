@@ -280,18 +280,13 @@ def cmd_generate(args) -> None:
     spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
     engine = Engine(args.model, engine_config(args))
     kind, items, params = spec.kind, spec.items, spec.sampling_params
-    if kind == "messages":
-        tok = engine.tokenizer
-        items = [tok(tok.apply_chat_template([m.model_dump() for m in chat], tokenize=False,
-                                             add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"] for chat in items]
-        kind = "input_ids"
+    if kind == "messages":  # as the worker does: the engine renders chats (images expanded)
+        items = [[m.chat_dict() for m in chat] for chat in items]
     left = dict(enumerate(p.n for p in params))
     samples: dict[int, dict[int, dict]] = {i: {} for i in range(len(items))}
     bar = tqdm(total=len(items), unit="item", file=sys.stderr)
     tokens, t0 = 0, time.monotonic()
-    src = {"prompts" if kind == "prompts" else "input_ids": items}
-    for ev in engine.generate(**src, sampling_params=params, seed=spec.seed, stream=True):
+    for ev in engine.generate(**{kind: items}, sampling_params=params, seed=spec.seed, stream=True):
         tokens += len(ev.token_ids_delta)
         if ev.finished:
             samples[ev.index][ev.sample] = {
@@ -347,16 +342,19 @@ def _engine_flag(f: dataclasses.Field, hint) -> tuple[str, dict[str, Any]]:
     meta = f.metadata
     default = f.default if meta["cli_default"] is None else meta["cli_default"]
     help_ = meta["help"]
+    listed = list in (typing.get_origin(t) for t in (hint, *typing.get_args(hint)))
     if meta["env"]:
-        default = ENV(meta["env"]) or default
-        help_ += f" (env {meta['env']})"
+        raw = ENV(meta["env"])
+        if raw:  # a list's variable holds its values separated by commas
+            default = [v.strip() for v in raw.split(",") if v.strip()] if listed else raw
+        help_ += f" (env {meta['env']}{', comma-separated' if listed else ''})"
     kw: dict[str, Any] = {"default": default, "help": help_}
     kind = _scalar(hint)
     if kind is bool:
         kw["action"] = argparse.BooleanOptionalAction
     else:
         kw["type"] = kind
-    if list in (typing.get_origin(t) for t in (hint, *typing.get_args(hint))):
+    if listed:
         kw["nargs"] = "+"
     return "--" + f.name.replace("_", "-"), kw
 

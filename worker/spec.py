@@ -31,9 +31,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-DATA_URL_PREFIX = "data:image/"
-
-
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -41,15 +38,20 @@ class TextPart(Strict):
 
 class ImageURL(Strict):
     url: str = Field(min_length=1, description=(
-        "a data:image/...;base64 URL (PNG, JPEG or WebP); its size is bounded by the body "
-        "limit (FANOUT_MAX_BODY_BYTES)"))
+        "data:image/<format>;base64,<data> (PNG, JPEG or WebP; bounded by the body limit, "
+        "FANOUT_MAX_BODY_BYTES), or file:// and http(s):// URLs where the model's workers "
+        "take them (off by default; the workers read them, the API never does)"))
 
     @field_validator("url")
     @classmethod
-    def _data_url(cls, v: str) -> str:
+    def _url(cls, v: str) -> str:
+        if v[:8].lower().startswith(("file://", "http://", "https://")):
+            if len(v) > 4096:
+                raise ValueError("a file or http(s) URL is at most 4096 characters")
+            return v
         head, sep, _ = v[:256].partition(",")
-        if not (sep and head.startswith(DATA_URL_PREFIX) and head.endswith(";base64")):
-            raise ValueError("only data:image/<format>;base64,<data> URLs are supported")
+        if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
+            raise ValueError("an image URL is data:image/<format>;base64,<data>, file:// or http(s)://")
         return v
 
 

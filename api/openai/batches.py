@@ -128,9 +128,8 @@ def create(body: BatchCreate, request: Request):
 
     try:
         lines = batchinput.parse(files.content(redis, f["id"], tenant), settings)
-        served = set(models.served(redis))
-        vision = {m for m in served if models.takes_images(redis, m)}
-        job = batchinput.job(lines, body.endpoint, served, vision=vision, priority=body.priority,
+        served = {m: models.image_schemes(redis, m) or [] for m in models.served(redis)}
+        job = batchinput.job(lines, body.endpoint, served, priority=body.priority,
                              run_at=body.run_at, metadata=body.metadata or {})
         _update(redis, batch_id, lambda r: {"model": lines[0].body.model, "request_counts": {
             "total": len(lines), "completed": 0, "failed": 0}}, settings.result_ttl)

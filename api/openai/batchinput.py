@@ -17,7 +17,7 @@ from worker.spec import CustomId
 
 from ..schemas import JobRequest
 from .errors import OpenAIError, param
-from .schemas import ChatCompletionRequest, CompletionRequest, Strict, first_image, sampling_params
+from .schemas import ChatCompletionRequest, CompletionRequest, Strict, image_error, sampling_params
 
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 MAX_ERRORS = 20  # reported per file
@@ -112,11 +112,11 @@ def _params(body, settings: Settings) -> SamplingParams:
     return sampling_params(body, settings)
 
 
-def job(requests: list[Request], endpoint: str, served: set[str], vision: set[str] | None = None,
-        **fields) -> JobRequest:
+def job(requests: list[Request], endpoint: str, served: dict[str, list[str]], **fields) -> JobRequest:
     """The native job of a batch: one item per line. Raises Invalid when a line does not fit
-    the batch (another url, a model not served, mixed kinds of prompt, an image for a model
-    that takes none: `vision`, the served models that take images)."""
+    the batch (another url, a model not served, mixed kinds of prompt, an image its model's
+    workers cannot take). `served`: each served model -> the image URL schemes its workers
+    take ([] for a text model)."""
     errors = []
     models = {r.body.model for r in requests}
     for r in requests:
@@ -127,10 +127,8 @@ def job(requests: list[Request], endpoint: str, served: set[str], vision: set[st
             errors.append(LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)",
                                     "body.model", "model_not_found"))
         elif (endpoint == "/v1/chat/completions" and r.url == endpoint
-              and (part := first_image(r.body.messages)) is not None and r.body.model not in (vision or set())):
-            errors.append(LineError(r.line, f"body.{part}: image_url parts are not supported by the model "
-                                            f"{r.body.model!r} (it takes text only)", f"body.{part}",
-                                    "unsupported_parameter"))
+              and (bad := image_error(r.body.messages, r.body.model, served[r.body.model]))):
+            errors.append(LineError(r.line, f"body.{bad[1]}", f"body.{bad[0]}", "unsupported_parameter"))
         elif len(models) > 1:
             errors.append(LineError(r.line, f"every line must name the same model ({len(models)} named)",
                                     "body.model", "mismatched_model"))

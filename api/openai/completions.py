@@ -22,7 +22,7 @@ from ..schemas import JobRequest
 from ..submit import settle
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
-from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, first_image,
+from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, 
                       sampling_params)
 
 router = APIRouter()
@@ -39,9 +39,8 @@ def _ok(model) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     """A chat completion: the messages go through the model's chat template."""
     chats = [[m.job_message() for m in req.messages]]
-    part = first_image(req.messages)
-    if part is not None:
-        await anyio.to_thread.run_sync(models.require_images, request.app.state.redis, req.model, part)
+    if any(m.image_parts() for m in req.messages):
+        await anyio.to_thread.run_sync(models.require_images, request.app.state.redis, req.model, req.messages)
     return await _serve(request, req, {"messages": chats}, "chatcmpl-")
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from results import keys
 
 from .errors import OpenAIError, not_found
-from .schemas import Model, ModelList
+from .schemas import ChatMessage, Model, ModelList, image_error
 
 router = APIRouter()
 
@@ -33,18 +33,21 @@ def require(redis, name: str) -> None:
                                "lists the served ones)", param="model", code="model_not_found")
 
 
-def takes_images(redis, name: str) -> bool:
-    """Whether `name`'s workers take images in chats (None: no worker serves it; an entry
-    from a worker that does not say: taken as not)."""
+def image_schemes(redis, name: str) -> list[str] | None:
+    """The image URL schemes `name`'s workers take (worker.consumer announces them): [] for a
+    text model, None when no worker serves it."""
     raw = redis.hget(keys.models(), name)
-    return None if raw is None else bool(json.loads(raw).get("images"))
+    if raw is None:
+        return None
+    schemes = json.loads(raw).get("images")
+    return schemes if isinstance(schemes, list) else []
 
 
-def require_images(redis, name: str, part: str | None) -> None:
-    """OpenAIError 400 naming the first image part when `name` does not take images."""
-    if part is not None and takes_images(redis, name) is False:  # not served: require's 404
-        raise OpenAIError(400, f"{part}: image_url parts are not supported by the model '{name}' "
-                               "(it takes text only)", param=part, code="unsupported_parameter")
+def require_images(redis, name: str, messages: list[ChatMessage]) -> None:
+    """OpenAIError 400 naming the first image part `name`'s workers cannot take."""
+    schemes = image_schemes(redis, name)
+    if schemes is not None and (bad := image_error(messages, name, schemes)):  # not served: require's 404
+        raise OpenAIError(400, bad[1], param=bad[0], code="unsupported_parameter")
 
 
 @router.get("/models", response_model=ModelList)

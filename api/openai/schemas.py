@@ -108,10 +108,20 @@ class ChatMessage(Strict):
             else {"type": "image_url", "image_url": {"url": p.image_url.url}} for p in self.content]})
 
 
-def first_image(messages: list[ChatMessage]) -> str | None:
-    """The OpenAI name of the first image part, e.g. messages[0].content[1]; None if none."""
-    return next((f"messages[{i}].content[{m.image_parts()[0]}]" for i, m in enumerate(messages)
-                 if m.image_parts()), None)
+def image_error(messages: list[ChatMessage], model: str, schemes: list[str]) -> tuple[str, str] | None:
+    """(param, message) for the first image part that `model`'s workers cannot take (a text
+    model takes none; the others, the URL schemes they announce), e.g. param
+    messages[0].content[1]; None when they take every one."""
+    for i, m in enumerate(messages):
+        for j in m.image_parts():
+            name = f"messages[{i}].content[{j}]"
+            if not schemes:
+                return name, f"{name}: image_url parts are not supported by the model '{model}' (it takes text only)"
+            scheme = m.content[j].image_url.url.partition(":")[0].lower()
+            if scheme not in schemes:
+                return (f"{name}.image_url.url", f"{name}.image_url.url: {scheme} URLs are not taken by the "
+                        f"workers of the model '{model}' (they take {', '.join(schemes)})")
+    return None
 
 
 ChatCompletionRequest = create_model(

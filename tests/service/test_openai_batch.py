@@ -166,7 +166,9 @@ def test_a_batch_past_its_window_expires_with_its_finished_lines(oai, redis_url,
     proc, url = start_api(redis_url, tmp_path, "api-window", env={"FANOUT_BATCH_WINDOW": "3"})
     try:
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as short:
-            lines, f = slow_batch(short)
+            # 48 long lines: about 900 steps of 48 rows, well past the 3 s window on a fast machine
+            # (12 lines took about 3 s here: the batch could complete first).
+            lines, f = slow_batch(short, n=48)
             b = short.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
             assert b.expires_at - b.created_at == 3
             b = wait(short, b.id, ("expired",), timeout=60)

@@ -15,6 +15,7 @@ from .req import Req
 
 if TYPE_CHECKING:
     from .attention.base import AttentionBackend, AttentionMetadata
+    from .images import Image
 
 
 class ForwardMode(IntEnum):
@@ -26,7 +27,8 @@ class ForwardMode(IntEnum):
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64, the new tokens of all requests, concatenated
-    positions: torch.Tensor  # [T] int64
+    # [T] int64; [3, T] (M-RoPE's t, h, w rows) when an M-RoPE image's tokens run (req.py)
+    positions: torch.Tensor
     out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token writes to
     req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token
     seq_lens: torch.Tensor  # [B] int64, prefix + new tokens
@@ -61,28 +63,29 @@ class ForwardBatch:
 
 @dataclass(slots=True)
 class ImageBatch:
-    pixels: torch.Tensor  # [K, 3, H, W], the distinct images (by pad id)
+    images: list[Image]  # the distinct images (by pad id), in order of first use
     rows: torch.Tensor  # [M] int64, rows of [T] that are image tokens
-    features: torch.Tensor  # [M] int64, row of the flattened [K * tokens_per_image] features for each
+    features: torch.Tensor  # [M] int64, row of the images' concatenated features for each
 
     @classmethod
     def build(cls, reqs: list[Req], extend_lens: list[int], device) -> ImageBatch | None:
         """The image tokens among each request's new positions [kv_len, kv_len + n): a chunk
         may start or end inside an image, so features are taken by offset into it."""
-        index: dict[int, int] = {}  # pad id -> k
-        pixels, rows, feats = [], [], []
-        t = 0
+        offsets: dict[int, int] = {}  # pad id -> its first feature row
+        images, rows, feats = [], [], []
+        t = total = 0
         for r, n in zip(reqs, extend_lens):
             lo, hi = r.kv_len, r.kv_len + n
             for span in r.images:
                 a, b = max(span.start, lo), min(span.start + span.length, hi)
                 if a >= b:
                     continue
-                k = index.setdefault(span.image.pad, len(index))
-                if k == len(pixels):
-                    pixels.append(span.image.pixels)
+                if span.image.pad not in offsets:
+                    offsets[span.image.pad] = total
+                    images.append(span.image)
+                    total += span.length
                 rows.extend(range(t + a - lo, t + b - lo))
-                base = k * span.length - span.start
+                base = offsets[span.image.pad] - span.start
                 feats.extend(range(base + a, base + b))
             t += n
         if not rows:
@@ -91,7 +94,7 @@ class ImageBatch:
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
 
-        return cls(torch.stack(pixels).to(device), tensor(rows), tensor(feats))
+        return cls(images, tensor(rows), tensor(feats))
 
 
 @dataclass(slots=True)
@@ -129,7 +132,7 @@ class ScheduleBatch:
         t = 0
         for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens)):
             ids.extend(r.tokens(r.kv_len, r.kv_len + n))
-            pos.extend(range(r.kv_len, r.kv_len + n))
+            pos.append(r.positions(r.kv_len, r.kv_len + n))
             prefix.append(r.kv_len)
             seq.append(r.kv_len + n)
             starts.append(t)
@@ -146,8 +149,13 @@ class ScheduleBatch:
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
 
+        if all(isinstance(p, range) for p in pos):
+            positions = tensor([x for p in pos for x in p])
+        else:  # M-RoPE rows: a one-row range is the same in all three
+            positions = tensor([[x for p in pos for x in (p if isinstance(p, range) else p[k])]
+                                for k in range(3)])
         return ForwardBatch(
-            mode=mode, input_ids=tensor(ids), positions=tensor(pos),
+            mode=mode, input_ids=tensor(ids), positions=positions,
             out_cache_loc=torch.cat(self.out_cache_loc).to(device),
             req_pool_indices=tensor([r.req_pool_idx for r in self.reqs]),
             seq_lens=tensor(seq), prefix_lens=tensor(prefix), extend_lens=tensor(self.extend_lens),

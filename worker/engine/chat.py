@@ -1,58 +1,65 @@
 """Chats (OpenAI-style messages) -> prompt token ids and the images placed in them.
 
 A message's content is a string or a list of parts: {"type": "text", "text": ...} and
-{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}. The model's chat
-template renders image parts as {"type": "image"} (the Hugging Face convention), putting one
-image token each; that token is then expanded to the image's feature count, every position
+{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (or a file:// or
+http(s) URL the operator allows: image_urls.py). The model's chat template renders image parts
+as {"type": "image"} (the Hugging Face convention), putting one image token each; that token is then expanded to the image's token count, every position
 holding the image's pad id (images.py), which keys the radix cache by the image's content.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .images import Image, ImageError, ImageProcessor, ImageSpan, load_image
+from .image_urls import ImageError, ImageSources
+from .images import ClipProcessor, Image, ImageSpan, Qwen2VLProcessor, load_image
 
 
 @dataclass(frozen=True, slots=True)
 class VisionInput:
     """What a vision model needs from its prompts."""
-    processor: ImageProcessor
+    processor: ClipProcessor | Qwen2VLProcessor
     image_token_id: int
-    tokens_per_image: int
     vocab_size: int
 
 
 class ChatEncoder:
-    def __init__(self, tokenizer, vision: VisionInput | None):
+    def __init__(self, tokenizer, vision: VisionInput | None, sources: ImageSources = ImageSources()):
         self.tokenizer = tokenizer
         self.vision = vision
+        self.sources = sources  # which image URLs are read, and their limits
 
-    def encode(self, chat: list[dict]) -> tuple[list[int], list[ImageSpan]]:
+    @property
+    def schemes(self) -> list[str]:
+        """The image URL schemes taken: [] for a text model."""
+        return self.sources.schemes if self.vision is not None else []
+
+    def load(self, chats: list) -> dict[str, Image | ImageError]:
+        """The images of these chats, each distinct URL read (concurrently, for downloads),
+        decoded and preprocessed once. Safe to run off the engine's thread."""
+        if self.vision is None:
+            return {}
+        urls = []
+        for chat in chats:
+            try:
+                urls += _parse(chat)[1]
+            except ValueError:
+                pass  # encode() fails its item with the reason
+        v, out = self.vision, {}
+        for url, raw in self.sources.read_all(urls).items():
+            try:
+                if isinstance(raw, ImageError):
+                    raise raw
+                out[url] = load_image(raw, v.processor, v.vocab_size)
+            except ImageError as e:
+                out[url] = e
+        return out
+
+    def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None
+               ) -> tuple[list[int], list[ImageSpan]]:
         """Token ids (images expanded) and the image spans; ValueError for a bad chat or
-        image (its item fails alone)."""
-        if not isinstance(chat, list) or not chat:
-            raise ValueError("a chat is a non-empty list of messages")
-        messages, urls = [], []
-        for i, m in enumerate(chat):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if kind == "text":
-                        parts.append({"type": "text", "text": part.get("text", "")})
-                    elif kind == "image_url":
-                        url = part.get("image_url")
-                        urls.append(url.get("url", "") if isinstance(url, dict) else url)
-                        parts.append({"type": "image"})
-                    else:
-                        raise ValueError(f"message {i}: unknown content part type {kind!r}")
-                if all(p["type"] == "text" for p in parts):
-                    # Text only: one string, which every chat template takes (as OpenAI joins).
-                    m = {**m, "content": "".join(p["text"] for p in parts)}
-                else:
-                    m = {**m, "content": parts}
-            messages.append(m)
+        image (its item fails alone). `images`: the chat's images from load(), if read
+        already."""
+        messages, urls = _parse(chat)
         if urls and self.vision is None:
             raise ValueError("this model does not take images")
         try:
@@ -64,21 +71,51 @@ class ChatEncoder:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not urls:
             return ids, []
-        v = self.vision
-        marks = [i for i, t in enumerate(ids) if t == v.image_token_id]
+        marks = [i for i, t in enumerate(ids) if t == self.vision.image_token_id]
         if len(marks) != len(urls):
             raise ValueError(f"the chat template placed {len(marks)} image tokens for "
                              f"{len(urls)} images")
-        images: list[Image] = []
-        for k, url in enumerate(urls):
-            try:
-                images.append(load_image(url, v.processor, v.vocab_size))
-            except ImageError as e:
-                raise ValueError(f"image {k}: {e}") from None
+        if images is None or any(u not in images for u in urls):
+            images = self.load([chat])
         out, spans, prev = [], [], 0
-        for mark, image in zip(marks, images):
+        for k, (mark, url) in enumerate(zip(marks, urls)):
+            image = images[url]
+            if isinstance(image, ImageError):
+                raise ValueError(f"image {k}: {image}")
             out += ids[prev:mark]
-            spans.append(ImageSpan(len(out), v.tokens_per_image, image))
-            out += [image.pad] * v.tokens_per_image
+            spans.append(ImageSpan(len(out), image))
+            out += [image.pad] * image.tokens
             prev = mark + 1
         return out + ids[prev:], spans
+
+
+def _parse(chat: list[dict]) -> tuple[list[dict], list[str]]:
+    """The messages as the chat template takes them (image parts as {"type": "image"}) and
+    the image URLs in order; ValueError for a chat that is not one."""
+    if not isinstance(chat, list) or not chat:
+        raise ValueError("a chat is a non-empty list of messages")
+    messages, urls = [], []
+    for i, m in enumerate(chat):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": part.get("text", "")})
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    if not isinstance(url, str) or not url:
+                        raise ValueError(f"message {i}: an image_url part needs a URL string")
+                    urls.append(url)
+                    parts.append({"type": "image"})
+                else:
+                    raise ValueError(f"message {i}: unknown content part type {kind!r}")
+            if all(p["type"] == "text" for p in parts):
+                # Text only: one string, which every chat template takes (as OpenAI joins).
+                m = {**m, "content": "".join(p["text"] for p in parts)}
+            else:
+                m = {**m, "content": parts}
+        messages.append(m)
+    return messages, urls

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .image_urls import ImageSources
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -46,6 +48,19 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] | None = _knob(None, "the decode batch sizes captured "
                                                            "(default: 1, 2, 4, then every "
                                                            "multiple of 8 up to the max)")
+    image_file_root: str | None = _knob(None, "take file:// image URLs of files under this folder "
+                                              "(default: none taken)", env="FANOUT_IMAGE_FILE_ROOT")
+    image_http_hosts: list[str] | None = _knob(None, "fetch http(s) image URLs from these hosts, "
+                                                     "'*' for any (default: none fetched; the worker "
+                                                     "fetches, the API never does)",
+                                               env="FANOUT_IMAGE_HTTP_HOSTS")
+    image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
+    image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
+
+    @property
+    def image_sources(self) -> ImageSources:
+        return ImageSources(self.image_file_root, tuple(self.image_http_hosts or ()),
+                            self.image_max_bytes, self.image_fetch_timeout)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running", "max_prefill_tokens"):
@@ -61,3 +76,4 @@ class EngineConfig:
         # Lazily: cuda_graph imports torch, and the CLI reads this module for its flags.
         from .cuda_graph import batch_sizes
         batch_sizes(self.cuda_graph_max_bs, self.cuda_graph_batch_sizes, self.max_running)
+        self.image_sources  # noqa: B018 (checks the image fields)

@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .events import Event, ItemResult, SampleResult
 from .executor import EngineError, Executor, RunOutput
 from .front import Front
-from .images import ImageProcessor, ImageSpan
+from .images import ImageSpan, image_processor
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
 from .models.loader import load_tokenizer, resolve_model_path
@@ -66,20 +66,29 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         vision = None
         if mc.vision is not None:
-            vision = VisionInput(ImageProcessor.from_dir(resolve_model_path(model)),
-                                 mc.vision.image_token_id, mc.vision.tokens_per_image,
-                                 mc.vocab_size)
+            vision = VisionInput(image_processor(resolve_model_path(model), mc.vision),
+                                 mc.vision.image_token_id, mc.vocab_size)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
                            self.kv_manager.num_tokens, eos, mc.vocab_size,
-                           ChatEncoder(self.tokenizer, vision))
+                           ChatEncoder(self.tokenizer, vision, cfg.image_sources))
 
     # -- step-level interface (the worker drives these) --------------------------
 
     def add(self, tag: object, items: list[tuple], sampling_params, seed: int | None = None,
-            sink: Callable[[Event], None] | None = None) -> int:
+            sink: Callable[[Event], None] | None = None, images: dict | None = None) -> int:
         """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
-        to sink, or are returned by step() when no sink is given. Returns the job seed."""
-        return self.front.add(tag, items, sampling_params, seed, sink)
+        to sink, or are returned by step() when no sink is given. `images`: load_images(items)
+        when it ran already (else the chats' images are read here). Returns the job seed."""
+        return self.front.add(tag, items, sampling_params, seed, sink, images)
+
+    def load_images(self, items: list[tuple]) -> dict:
+        """Read, decode and preprocess the images of these items' chats (thread-safe: the
+        worker runs it off its loop, so a download does not hold up the steps)."""
+        return self.front.chats.load([p for _, p, _ in items if isinstance(p, list)])
+
+    def image_schemes(self) -> list[str]:
+        """The image URL schemes chats may use ([] for a text model)."""
+        return self.front.chats.schemes
 
     def step(self) -> list[Event]:
         """Run one scheduler step; return the events without a sink. A request that makes

@@ -89,8 +89,13 @@ class Front:
         return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
                 else list(p) for p in prompts]
 
-    def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
-        """(ids, image spans, error) per item: a chat's error (template, image) is its own."""
+    def encode(self, items: list[tuple], images: dict | None = None
+               ) -> list[tuple[list[int], list[ImageSpan], str | None]]:
+        """(ids, image spans, error) per item: a chat's error (template, image) is its own.
+        `images`: the chats' images, if read already (ChatEncoder.load); else read here."""
+        chats = [chat for _, chat, _ in items if isinstance(chat, list)]
+        if images is None and chats:
+            images = self.chats.load(chats)
         out: list = [None] * len(items)
         plain = [i for i, (_, prompt, _) in enumerate(items) if not isinstance(prompt, list)]
         for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
@@ -99,16 +104,17 @@ class Front:
         for i, (index, chat, _) in enumerate(items):
             if isinstance(chat, list):
                 try:
-                    out[i] = (*self.chats.encode(chat), None)
+                    out[i] = (*self.chats.encode(chat, images), None)
                 except ValueError as e:
                     out[i] = ([], [], f"messages[{index}]: {e}")
         return out
 
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
-            sink: Sink | None) -> int:
+            sink: Sink | None, images: dict | None = None) -> int:
         """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
         (a list of messages); params: one SamplingParams for all or one per item (see
-        sampling_params.per_item). Returns the job seed used."""
+        sampling_params.per_item); images: the chats' images if read already
+        (ChatEncoder.load). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
@@ -117,8 +123,8 @@ class Front:
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
         group = next(self._ids)
         by_prompt: dict[tuple, _Warmup] = {}
-        for (index, _, _), (ids, images, error), p in zip(items, self.encode(items), params):
-            error = error or self._check(ids, p, images)
+        for (index, _, _), (ids, spans, error), p in zip(items, self.encode(items, images), params):
+            error = error or self._check(ids, p, spans)
             grammar, matchers = p.grammar, [None] * p.n
             if error is None and grammar is not None:
                 try:  # compiled once per distinct grammar; a matcher per sample
@@ -128,9 +134,9 @@ class Front:
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
                         seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
                         eos_ids=self.eos_ids, tag=tag, index=index, sample=j,
-                        grammar=matchers[j], images=images) for j in range(p.n)]
+                        grammar=matchers[j], images=spans) for j in range(p.n)]
             # Image positions have no text to give the first output tokens context.
-            text_ids = [t for t in ids if t < self.vocab_size] if images else ids
+            text_ids = [t for t in ids if t < self.vocab_size] if spans else ids
             for r in reqs:
                 self.streams[r.rid] = _Stream(r, Detokenizer(self.tokenizer, p.stop,
                                                               p.skip_special_tokens, text_ids),
@@ -144,7 +150,7 @@ class Front:
                 if key not in by_prompt:
                     warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
                                params=SamplingParams(max_new_tokens=0), seed=0, tag=tag,
-                               images=images)
+                               images=spans)
                     by_prompt[key] = _Warmup(warm, [], sink)
                 by_prompt[key].samples.extend(reqs)
             else:

@@ -1,22 +1,27 @@
-"""Image inputs: a data URL -> the pixel tensor a vision tower takes, and the id that keys
-the image's tokens in the radix cache.
+"""Image inputs: an image's bytes (image_urls.py reads them) -> what the vision tower takes, how many prompt tokens the image
+becomes, and the id that keys those tokens in the radix cache.
 
-Preprocessing is the CLIP image processor's, read from the model folder's
-preprocessor_config.json (or transformers 5's processor_config.json): convert to RGB, resize
-the shortest edge (PIL, the configured resample), center crop, rescale, normalize. PIL and
-torch only; equal to transformers' own processor (tests/test_multimodal.py).
+Preprocessing is the model's image processor's, read from the model folder's
+preprocessor_config.json (or transformers 5's processor_config.json), with PIL and torch
+only, equal to transformers' own (tests/test_multimodal.py, tests/test_qwen2_vl.py):
+- CLIP (LLaVA): resize the shortest edge, center crop, rescale, normalize: one [3, H, W].
+- Qwen2-VL: resize both sides to multiples of patch * merge with the area within
+  [min_pixels, max_pixels], rescale, normalize, then cut into patches, each repeated over
+  `temporal_patch_size` frames, the merge x merge patches of one token next to each other.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import json
+import math
 import os
 from dataclasses import dataclass
 
 import torch
+
+from .image_urls import ImageError
+from .models.config import Qwen2VLVisionConfig, VisionConfig
 
 # Larger images are refused before decoding (PIL reads the size from the header): 8192 x 8192
 # is far above any CLIP input and keeps one decode under ~200 MiB of RGB.
@@ -25,36 +30,38 @@ FORMATS = ("PNG", "JPEG", "WEBP")
 PAD_BITS = 48  # pad ids: vocab_size + a 48-bit content hash, so never a real token id
 
 
-class ImageError(ValueError):
-    """An image that cannot be used: its item fails with this message."""
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class Image:
     """One preprocessed image of a prompt."""
-    pixels: torch.Tensor  # [3, H, W] float32, normalized
+    # Float32, normalized: CLIP's [3, H, W]; Qwen2-VL's [patches, 3 * frames * patch**2].
+    pixels: torch.Tensor
     pad: int  # the id its tokens have in the prompt: vocab_size + hash of its content
+    tokens: int  # how many prompt tokens it becomes
+    grid: tuple[int, int, int] | None = None  # M-RoPE (Qwen2-VL): its tokens as (t, h, w)
 
 
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
     """Where an image's tokens sit in a prompt: positions [start, start + length)."""
     start: int
-    length: int
     image: Image
 
+    @property
+    def length(self) -> int:
+        return self.image.tokens
 
-def decode_data_url(url: str):
-    """A `data:image/...;base64,` URL -> an RGB PIL image, or ImageError."""
+    @property
+    def shift(self) -> int:
+        """How far M-RoPE puts the positions after this image behind their index: its t*h*w
+        tokens advance the position by only max(t, h, w). 0 without M-RoPE."""
+        grid = self.image.grid
+        return 0 if grid is None else max(grid) - self.length
+
+
+def decode_image(raw: bytes):
+    """An encoded PNG, JPEG or WebP image -> an RGB PIL image, or ImageError."""
     from PIL import Image as PILImage
 
-    head, sep, data = url.partition(",")
-    if not (sep and head.startswith("data:image/") and head.endswith(";base64")):
-        raise ImageError("only data:image/...;base64 URLs are supported")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("the data URL is not valid base64") from None
     try:
         img = PILImage.open(io.BytesIO(raw), formats=FORMATS)
     except Exception as e:
@@ -69,25 +76,38 @@ def decode_data_url(url: str):
 
 
 @dataclass(frozen=True, slots=True)
-class ImageProcessor:
-    shortest_edge: int
-    crop: tuple[int, int]  # (height, width)
+class Normalize:
+    """The steps every processor shares: resize (PIL), rescale, normalize."""
     resample: int  # PIL's filter number (3: bicubic)
     rescale: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
 
     @classmethod
-    def from_dir(cls, path: str) -> ImageProcessor:
-        pre, proc = (os.path.join(path, f) for f in ("preprocessor_config.json", "processor_config.json"))
-        if os.path.isfile(pre):
-            with open(pre) as f:
-                raw = json.load(f)
-        elif os.path.isfile(proc):
-            with open(proc) as f:
-                raw = json.load(f).get("image_processor", {})
-        else:
-            raise FileNotFoundError(f"no image processor config in {path}: expected {pre}")
+    def from_dict(cls, raw: dict) -> Normalize:
+        return cls(raw.get("resample", 3), raw.get("rescale_factor", 1 / 255),
+                   tuple(raw["image_mean"]), tuple(raw["image_std"]))
+
+    def __call__(self, img, size: tuple[int, int]) -> torch.Tensor:
+        """An RGB PIL image resized to size (width, height) -> [3, height, width] float32."""
+        img = img.resize(size, resample=self.resample)
+        x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size[1], size[0], 3)
+        # Rescale in float64 then cast, as transformers does.
+        x = (x.permute(2, 0, 1).double() * self.rescale).float()
+        mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
+        std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
+        return (x - mean) / std
+
+
+@dataclass(frozen=True, slots=True)
+class ClipProcessor:
+    shortest_edge: int
+    crop: tuple[int, int]  # (height, width)
+    tokens: int  # per image: the vision tower's (config.py)
+    norm: Normalize
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str, tokens: int) -> ClipProcessor:
         size, crop = raw.get("size", {}), raw.get("crop_size", {})
         flags = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
         if not all(raw.get(k, True) for k in flags) or "shortest_edge" not in size:
@@ -97,34 +117,96 @@ class ImageProcessor:
         if size["shortest_edge"] < max(crop):
             raise ValueError(f"{path}: crop_size {crop} larger than the resized image "
                              f"(shortest edge {size['shortest_edge']}) is not supported")
-        return cls(size["shortest_edge"], crop, raw.get("resample", 3),
-                   raw.get("rescale_factor", 1 / 255), tuple(raw["image_mean"]),
-                   tuple(raw["image_std"]))
+        return cls(size["shortest_edge"], crop, tokens, Normalize.from_dict(raw))
 
-    def __call__(self, img) -> torch.Tensor:
-        """An RGB PIL image -> [3, crop_h, crop_w] float32."""
+    def __call__(self, img) -> tuple[torch.Tensor, int, None]:
+        """An RGB PIL image -> ([3, crop_h, crop_w] float32, tokens, no grid)."""
         w, h = img.size
         # transformers' shortest-edge rule: the long edge truncated, not rounded.
         short, long = (w, h) if w <= h else (h, w)
         long = int(self.shortest_edge * long / short)
-        size = (self.shortest_edge, long) if w <= h else (long, self.shortest_edge)
-        img = img.resize(size, resample=self.resample)
+        x = self.norm(img, (self.shortest_edge, long) if w <= h else (long, self.shortest_edge))
         ch, cw = self.crop
-        top, left = (img.height - ch) // 2, (img.width - cw) // 2
-        img = img.crop((left, top, left + cw, top + ch))
-        x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(ch, cw, 3)
-        # Rescale in float64 then cast, as transformers does.
-        x = (x.permute(2, 0, 1).double() * self.rescale).float()
-        mean = torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
-        std = torch.tensor(self.std, dtype=torch.float32)[:, None, None]
-        return (x - mean) / std
+        top, left = (x.shape[1] - ch) // 2, (x.shape[2] - cw) // 2
+        return x[:, top:top + ch, left:left + cw], self.tokens, None
 
 
-def load_image(url: str, processor: ImageProcessor, vocab_size: int) -> Image:
+@dataclass(frozen=True, slots=True)
+class Qwen2VLProcessor:
+    patch: int
+    merge: int  # merge x merge patches make one token
+    frames: int  # temporal_patch_size: an image is repeated over this many frames
+    min_pixels: int
+    max_pixels: int
+    norm: Normalize
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str, v: Qwen2VLVisionConfig) -> Qwen2VLProcessor:
+        if not all(raw.get(k, True) for k in ("do_resize", "do_rescale", "do_normalize",
+                                               "do_convert_rgb")):
+            raise ValueError(f"{path}: an image processor that skips resizing, rescaling or "
+                             "normalizing is not supported")
+        size = raw.get("size") or {}
+        sizes = (raw.get("patch_size", v.patch_size), raw.get("merge_size", v.merge_size),
+                 raw.get("temporal_patch_size", v.temporal_patch_size))
+        if sizes != (v.patch_size, v.merge_size, v.temporal_patch_size):
+            raise ValueError(f"{path}: patch_size, merge_size, temporal_patch_size {sizes} "
+                             "differ from the model's vision_config")
+        # Top-level min/max_pixels override `size`, as in transformers.
+        return cls(*sizes, raw.get("min_pixels", size.get("shortest_edge", 56 * 56)),
+                   raw.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280)),
+                   Normalize.from_dict(raw))
+
+    def size(self, w: int, h: int) -> tuple[int, int]:
+        """transformers' smart_resize: each side rounded to a multiple of patch * merge, then
+        scaled (aspect ratio kept) until the area is within [min_pixels, max_pixels]."""
+        f = self.patch * self.merge
+        if max(w, h) / min(w, h) > 200:
+            raise ImageError(f"image is {w}x{h} pixels; an aspect ratio over 200 is not supported")
+        rh, rw = round(h / f) * f, round(w / f) * f
+        if rh * rw > self.max_pixels:
+            beta = math.sqrt(h * w / self.max_pixels)
+            rh, rw = max(f, math.floor(h / beta / f) * f), max(f, math.floor(w / beta / f) * f)
+        elif rh * rw < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (h * w))
+            rh, rw = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
+        return rw, rh
+
+    def __call__(self, img) -> tuple[torch.Tensor, int, tuple[int, int, int]]:
+        """An RGB PIL image -> (patches [tokens * merge**2, 3 * frames * p * p], tokens, grid)."""
+        w, h = self.size(*img.size)
+        p, m = self.patch, self.merge
+        gh, gw = h // (p * m), w // (p * m)  # the token grid
+        x = self.norm(img, (w, h)).view(3, gh, m, p, gw, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        x = x[:, :, :, :, :, None].expand(gh, gw, m, m, 3, self.frames, p, p)  # frames: copies
+        return x.reshape(gh * gw * m * m, -1), gh * gw, (1, gh, gw)
+
+
+def image_processor(path: str, vision: VisionConfig | Qwen2VLVisionConfig
+                    ) -> ClipProcessor | Qwen2VLProcessor:
+    """The image processor of the model folder `path`, for its vision tower `vision`: the
+    tower decides the processor's kind (its config must describe one of that kind)."""
+    pre, proc = (os.path.join(path, f)
+                 for f in ("preprocessor_config.json", "processor_config.json"))
+    if os.path.isfile(pre):
+        with open(pre) as f:
+            raw = json.load(f)
+    elif os.path.isfile(proc):
+        with open(proc) as f:
+            raw = json.load(f).get("image_processor", {})
+    else:
+        raise FileNotFoundError(f"no image processor config in {path}: expected {pre}")
+    if isinstance(vision, Qwen2VLVisionConfig):
+        return Qwen2VLProcessor.from_dict(raw, path, vision)
+    return ClipProcessor.from_dict(raw, path, vision.tokens_per_image)
+
+
+def load_image(raw: bytes, processor: ClipProcessor | Qwen2VLProcessor, vocab_size: int) -> Image:
     """Decode and preprocess one image; its pad id hashes its decoded pixels and size, so the
     same pixels in another (lossless) container share their cached prefix."""
-    img = decode_data_url(url)
+    img = decode_image(raw)
     digest = hashlib.blake2b(img.tobytes(), digest_size=8,
                              person=f"{img.width}x{img.height}".encode()[:16]).digest()
     pad = vocab_size + int.from_bytes(digest, "little") % (1 << PAD_BITS)
-    return Image(processor(img), pad)
+    pixels, tokens, grid = processor(img)
+    return Image(pixels, pad, tokens, grid)

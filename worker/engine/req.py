@@ -72,6 +72,36 @@ class Req:
             return self.input_ids[start:end]
         return self.input_ids[start:] + self.output_ids[:end - n]
 
+    def positions(self, start: int, end: int) -> range | tuple[list[int], ...]:
+        """Rotary positions of fill_ids[start:end]: one row (a range), or M-RoPE's three rows
+        (t, h, w) when the run holds tokens of an M-RoPE image. A text token at index i sits
+        at i + the shifts of the images before it (images.py); the k-th token of an image of
+        token grid (t, h, w) starting at s, at s + those shifts + (k // (h*w), k // w % h,
+        k % w) in the three rows."""
+        shift, at, rows = 0, start, None  # at: the first index not placed yet
+        for span in self.images:
+            s, e = span.start, span.start + span.length
+            if e <= start or span.image.grid is None:
+                shift += span.shift
+                continue
+            if s >= end:
+                break
+            rows = rows or ([], [], [])
+            for row in rows:  # the text before the image
+                row.extend(range(at + shift, max(s, start) + shift))
+            _, h, w = span.image.grid
+            for k in range(max(s, start) - s, min(e, end) - s):
+                rows[0].append(s + shift + k // (h * w))
+                rows[1].append(s + shift + k // w % h)
+                rows[2].append(s + shift + k % w)
+            shift += span.shift
+            at = min(e, end)
+        if rows is None:
+            return range(start + shift, end + shift)
+        for row in rows:
+            row.extend(range(at + shift, end + shift))
+        return rows
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -17,6 +17,7 @@ from .registry import ARCHITECTURES, architecture, by_model_type
 class VisionConfig:
     """A LLaVA model's CLIP vision tower and projector (config.json's vision_config and the
     top-level fields around it)."""
+    MODEL_TYPES = ("clip_vision_model",)  # vision_config.model_type, if it says
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -49,19 +50,12 @@ class VisionConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "VisionConfig":
         v = raw.get("vision_config") or {}
-        if v.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"config.json: vision tower {v.get('model_type')!r} is not supported "
-                             "(only CLIP)")
         layer = raw.get("vision_feature_layer", -2)
         strategy = raw.get("vision_feature_select_strategy", "default")
         if not isinstance(layer, int):
             raise ValueError("config.json: several vision_feature_layer values are not supported")
         if strategy not in ("default", "full"):
             raise ValueError(f"config.json: vision_feature_select_strategy {strategy!r} unknown")
-        token = raw.get("image_token_id", raw.get("image_token_index"))
-        if token is None:
-            raise ValueError("config.json: missing required field 'image_token_index'")
-        from .llava import ACTIVATIONS
         cfg = cls(hidden_size=int(v.get("hidden_size", 768)),
                   intermediate_size=int(v.get("intermediate_size", 3072)),
                   num_layers=int(v.get("num_hidden_layers", 12)),
@@ -72,13 +66,103 @@ class VisionConfig:
                   hidden_act=v.get("hidden_act", "quick_gelu"), feature_layer=int(layer),
                   select_strategy=strategy, projector_act=raw.get("projector_hidden_act", "gelu"),
                   projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-                  image_token_id=int(token))
-        for act in (cfg.hidden_act, cfg.projector_act):
-            if act not in ACTIVATIONS:
-                raise ValueError(f"config.json: activation {act!r} is not supported")
+                  image_token_id=_image_token_id(raw))
+        _check_activations(cfg.hidden_act, cfg.projector_act)
         if not 0 <= cfg.layers_used <= cfg.num_layers:
             raise ValueError(f"config.json: vision_feature_layer {layer} out of range")
         return cfg
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen2VLVisionConfig:
+    """Qwen2-VL's vision encoder (config.json's vision_config): patches of two frames,
+    2D rotary attention within each image, and a merger of merge_size**2 patches per token."""
+    MODEL_TYPES = ("qwen2_vl_vision", "qwen2_vl")  # the second: transformers 4's
+    embed_dim: int
+    out_size: int  # the merger's output, the text model's width
+    depth: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    rope_theta: float
+    image_token_id: int
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Qwen2VLVisionConfig":
+        v = raw.get("vision_config") or {}
+        rope = v.get("rope_parameters") or {}
+        cfg = cls(depth=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
+                  in_channels=int(v.get("in_channels", 3)), patch_size=int(v.get("patch_size", 14)),
+                  temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                  merge_size=int(v.get("spatial_merge_size", 2)),
+                  rope_theta=float(rope.get("rope_theta", 10000.0)),
+                  image_token_id=_image_token_id(raw), **cls.own_fields(v))
+        _check_activations(cfg.hidden_act)
+        return cfg
+
+    @staticmethod
+    def own_fields(v: dict) -> dict:
+        """The fields this version names its own way in vision_config (defaults: HF's)."""
+        embed = int(v.get("embed_dim", 1280))
+        return dict(embed_dim=embed, out_size=int(v.get("hidden_size", 3584)),
+                    intermediate_size=int(embed * float(v.get("mlp_ratio", 4))),
+                    hidden_act=v.get("hidden_act", "quick_gelu"))
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen2_5_VLVisionConfig(Qwen2VLVisionConfig):
+    """Qwen2.5-VL's: Qwen2-VL's with RMSNorm, a gated MLP, and attention within square
+    windows of window_size pixels except in the blocks of full_blocks (qwen2_5_vl.py)."""
+    MODEL_TYPES = ("qwen2_5_vl_vision", "qwen2_5_vl")  # the second: transformers 4's
+    window_size: int
+    full_blocks: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.window_size < self.patch_size * self.merge_size:
+            raise ValueError(f"config.json: vision window_size {self.window_size} is under one "
+                             f"token ({self.patch_size * self.merge_size} pixels)")
+
+    @staticmethod
+    def own_fields(v: dict) -> dict:
+        full = v.get("fullatt_block_indexes", (7, 15, 23, 31))
+        return dict(embed_dim=int(v.get("hidden_size", 3584)),
+                    out_size=int(v.get("out_hidden_size", 3584)),
+                    intermediate_size=int(v.get("intermediate_size", 3420)),
+                    hidden_act=v.get("hidden_act", "silu"),
+                    window_size=int(v.get("window_size", 112)), full_blocks=tuple(map(int, full)))
+
+
+def _image_token_id(raw: dict) -> int:
+    token = raw.get("image_token_id", raw.get("image_token_index"))  # the second: older LLaVA
+    if token is None:
+        raise ValueError("config.json: missing required field 'image_token_id'")
+    return int(token)
+
+
+def _check_activations(*acts: str) -> None:
+    from .llava import ACTIVATIONS
+    for act in acts:
+        if act not in ACTIVATIONS:
+            raise ValueError(f"config.json: activation {act!r} is not supported")
+
+
+# Architecture.vision (registry.py) -> the config of that vision tower.
+VISION_CONFIGS = {"clip": VisionConfig, "qwen2_vl": Qwen2VLVisionConfig,
+                  "qwen2_5_vl": Qwen2_5_VLVisionConfig}
+
+
+def vision_config(kind: str, raw: dict) -> VisionConfig | Qwen2VLVisionConfig:
+    cls = VISION_CONFIGS[kind]
+    model_type = (raw.get("vision_config") or {}).get("model_type")
+    if model_type is not None and model_type not in cls.MODEL_TYPES:
+        raise ValueError(f"config.json: vision_config.model_type {model_type!r} is not supported "
+                         f"for {raw.get('model_type')!r} models (expected "
+                         f"{' or '.join(map(repr, cls.MODEL_TYPES))})")
+    return cls.from_dict(raw)
 
 
 @dataclass(slots=True)
@@ -102,7 +186,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str | None = None  # the checkpoint's dtype ("bfloat16", ...), if it says
-    vision: VisionConfig | None = None  # a vision-language model's; the rest is its text model
+    vision: VisionConfig | Qwen2VLVisionConfig | None = None  # a VLM's; the rest is its text model
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): rotary frequencies in these sections, halves of head_dim summing to
+    # head_dim // 2, take their angle from the t, h and w positions in turn (rope.py).
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -124,8 +211,14 @@ class ModelConfig:
         traits = ARCHITECTURES[arch]
         vision = None
         if traits.vision:  # the fields below are the text model's
-            vision = VisionConfig.from_dict(raw)
-            raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **raw.get("text_config", {})}
+            vision = vision_config(traits.vision, raw)
+            # In text_config, or at the top level (the Hub's Qwen2-VL and Qwen2.5-VL, written
+            # by transformers 4). Tied if either level says so, as transformers reads it.
+            text = raw.get("text_config")
+            if text:
+                tie = bool(raw.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+                raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **text,
+                       "tie_word_embeddings": tie}
 
         def need(key):
             if raw.get(key) is None:
@@ -143,7 +236,11 @@ class ModelConfig:
         attn_bias = bool(raw.get("attention_bias", False))
         if traits.qkv_bias is not None:
             attn_bias = traits.qkv_bias
-        theta, scaling = _rope(raw)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        theta, scaling, mrope = _rope(raw)
+        if mrope is not None and sum(mrope) * 2 != head_dim:
+            raise ValueError(f"config.json: mrope_section {list(mrope)} does not sum to "
+                             f"head_dim / 2 ({head_dim // 2})")
         max_pos = int(need("max_position_embeddings"))
         window = _sliding_window(raw, arch)
         eos = (gen or {}).get("eos_token_id")
@@ -157,7 +254,7 @@ class ModelConfig:
             num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=int(need("vocab_size")),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
@@ -172,6 +269,7 @@ class ModelConfig:
             eos_token_ids=[int(e) for e in eos],
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             vision=vision,
+            mrope_section=mrope,
         )
 
 
@@ -185,21 +283,23 @@ def _architecture(raw: dict) -> str:
     return arch
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from either `rope_parameters` (transformers 5) or `rope_theta` +
-    `rope_scaling` (transformers 4)."""
+def _rope(raw: dict) -> tuple[float, dict | None, tuple[int, ...] | None]:
+    """(theta, scaling, mrope_section) from either `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (transformers 4)."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError("config.json: per-layer-type rope_parameters are not supported")
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    mrope = params.pop("mrope_section", None)
+    mrope = tuple(int(x) for x in mrope) if mrope else None
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type == "default":
-        return theta, None
+    if rope_type in ("default", "mrope"):  # "mrope": transformers 4's name for M-RoPE's default
+        return theta, None, mrope
     if rope_type == "llama3":
         # HF falls back to max_position_embeddings when the original length is not given.
         params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
-    return theta, {"rope_type": rope_type, **params}
+    return theta, {"rope_type": rope_type, **params}, mrope
 
 
 def _sliding_window(raw: dict, arch: str) -> int | None:
@@ -211,6 +311,8 @@ def _sliding_window(raw: dict, arch: str) -> int | None:
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window"):
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration")
+    if arch in qwen and raw.get("use_sliding_window"):
         return int(window) if raw.get("max_window_layers", 0) < raw["num_hidden_layers"] else None
     return None

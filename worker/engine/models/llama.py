@@ -124,7 +124,8 @@ class CausalLM(nn.Module):
         # The cos/sin cache is computed, not loaded, so it is built on the target device even
         # when the rest of the model is built on "meta" and filled by the loader.
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta,
-                                    cfg.rope_scaling, device=device)
+                                    cfg.rope_scaling, device=device,
+                                    mrope_section=cfg.mrope_section)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -133,7 +134,8 @@ class CausalLM(nn.Module):
         self.tied_head: torch.Tensor | None = None  # packed copy of the tied embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        """input_ids [T], positions [T] (or [3, T] under M-RoPE) -> final-normed hidden
+        states [T, hidden]."""
         return self.decode(self.embed_tokens(input_ids), positions, fb)
 
     def decode(self, h: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:

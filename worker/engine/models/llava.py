@@ -6,6 +6,8 @@ each distinct image once (`fb.images`), whose projected features replace the emb
 those rows. Parameter names are the checkpoint's after the loader's renames (registry.py):
 `vision_tower.*` (CLIPVisionModel's without `vision_model.`), `multi_modal_projector.*`,
 `language_model.*` (CausalLM's). Only the vision layers up to `vision_feature_layer` are built.
+`VisionLM` (the splice of image features into the embeddings) and `VisionMLP` serve
+qwen2_vl.py too.
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from torch import nn
 from .llama import CausalLM
 
 if TYPE_CHECKING:
+    from ..images import Image
     from .config import ModelConfig, VisionConfig
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 class ClipAttention(nn.Module):
@@ -41,12 +44,12 @@ class ClipAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(B, N, D))
 
 
-class ClipMLP(nn.Module):
-    def __init__(self, v: VisionConfig):
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = ACTIVATIONS[v.hidden_act]
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -58,7 +61,7 @@ class ClipLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.self_attn = ClipAttention(v)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.mlp = ClipMLP(v)
+        self.mlp = VisionMLP(v.hidden_size, v.intermediate_size, v.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
@@ -107,28 +110,17 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None):
-        super().__init__()
-        self.cfg = cfg
-        self.vision_tower = ClipVisionTower(cfg.vision)
-        self.multi_modal_projector = Projector(cfg)
-        self.language_model = CausalLM(cfg, device=device)
-
-    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [K, 3, H, W] -> projected features [K, tokens_per_image, hidden]."""
-        x = self.vision_tower(pixels)
-        if self.cfg.vision.select_strategy == "default":
-            x = x[:, 1:]  # drop CLS
-        return self.multi_modal_projector(x)
+class VisionLM(nn.Module):
+    """A language model (`language_model`: llama.py's CausalLM) whose prompts hold images. A
+    subclass builds its vision tower and gives `image_features(images)`: the distinct images
+    of a batch (images.py's Image) -> their features, concatenated [sum of tokens, hidden]."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         lm = self.language_model
         # Image positions hold pad ids past the vocabulary; their embeddings are replaced.
         h = lm.embed_tokens(input_ids.masked_fill(input_ids >= self.cfg.vocab_size, 0))
         if fb.images is not None:
-            feats = self.image_features(fb.images.pixels.to(h.dtype)).flatten(0, 1)
-            h[fb.images.rows] = feats[fb.images.features]
+            h[fb.images.rows] = self.image_features(fb.images.images)[fb.images.features]
         return lm.decode(h, positions, fb)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,3 +128,20 @@ class LlavaLM(nn.Module):
 
     def pack_weights(self) -> None:
         self.language_model.pack_weights()  # the vision tower runs once per image: left dense
+
+
+class LlavaLM(VisionLM):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = ClipVisionTower(cfg.vision)
+        self.multi_modal_projector = Projector(cfg)
+        self.language_model = CausalLM(cfg, device=device)
+
+    def image_features(self, images: list[Image]) -> torch.Tensor:
+        """K images [3, H, W] -> projected features [K * tokens_per_image, hidden]."""
+        w = self.vision_tower.embeddings.patch_embedding.weight
+        x = self.vision_tower(torch.stack([im.pixels for im in images]).to(w.device, w.dtype))
+        if self.cfg.vision.select_strategy == "default":
+            x = x[:, 1:]  # drop CLS
+        return self.multi_modal_projector(x).flatten(0, 1)

@@ -14,6 +14,8 @@ from torch import nn
 
 from .llama import CausalLM
 from .llava import LlavaLM
+from .qwen2_5_vl import Qwen2_5_VL
+from .qwen2_vl import Qwen2VL
 
 # Llama-style fused parameters -> the HF parameters concatenated (along dim 0) to make them.
 LLAMA_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -30,8 +32,10 @@ class Architecture:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     gguf: bool = False
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED)
-    # A vision-language model (config.json has text_config and vision_config; models/config.py).
-    vision: bool = False
+    # A vision-language model's vision tower ("clip", "qwen2_vl", "qwen2_5_vl": config.py's
+    # VISION_CONFIGS); its config.json has vision_config, and the text model's fields in
+    # text_config.
+    vision: str | None = None
     # (checkpoint prefix, ours): the loader renames checkpoint weights by the first that
     # matches, so the several layouts of one architecture's checkpoints load alike. With
     # renames, our parameter names are the renamed checkpoint names (no "model." added).
@@ -62,6 +66,13 @@ LLAVA_RENAMES = (
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
+# transformers 5 in memory (model.visual.*, model.language_model.*) and the Hub's layout, which
+# transformers 5 also writes (visual.*, model.* for the text model) -> Qwen2VL's names; the
+# same for Qwen2.5-VL.
+QWEN2_VL_RENAMES = (
+    ("model.visual.", "visual."), ("model.language_model.", "language_model."),
+    ("model.", "language_model."), ("lm_head.", "language_model.lm_head."),
+)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -72,7 +83,15 @@ ARCHITECTURES: dict[str, Architecture] = {
                                      gguf=True),
     # A CLIP vision tower + projector + Llama; the language model's traits are Llama's.
     "LlavaForConditionalGeneration": Architecture(LlavaLM, "llava", qkv_bias=None, o_bias=True,
-                                                  vision=True, renames=LLAVA_RENAMES),
+                                                  vision="clip", renames=LLAVA_RENAMES),
+    # Its vision encoder + merger + Qwen2 with M-RoPE (config's mrope_section).
+    "Qwen2VLForConditionalGeneration": Architecture(Qwen2VL, "qwen2_vl", qkv_bias=True,
+                                                    o_bias=False, vision="qwen2_vl",
+                                                    renames=QWEN2_VL_RENAMES),
+    # Qwen2-VL with a windowed vision encoder.
+    "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2_5_VL, "qwen2_5_vl", qkv_bias=True,
+                                                       o_bias=False, vision="qwen2_5_vl",
+                                                       renames=QWEN2_VL_RENAMES),
 }
 
 

@@ -2,6 +2,8 @@
 
 Inverse frequencies are computed exactly as transformers does for the supported rope types, so
 cos/sin match HF bit for bit in fp32; they are cast to q's dtype before use, as HF does.
+M-RoPE (Qwen2-VL) takes three position rows (t, h, w) and gives each frequency section the
+angle of its row; with equal rows it is plain RoPE, so text-only batches pass one row.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def _llama3(freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_context: int, theta: float, scaling: dict | None,
-                 device=None):
+                 device=None, mrope_section: tuple[int, ...] | None = None):
         super().__init__()
         freq = inv_freq(head_dim, theta, scaling).to(device)
         t = torch.arange(max_context, dtype=torch.int64, device=device).float()
@@ -57,11 +59,24 @@ class RotaryEmbedding(nn.Module):
         # Not part of the checkpoint: rebuilt at load time, never saved.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+        # M-RoPE: frequency j takes its angle from position row rows[j] (t, h, w, t, ...: the
+        # sections in turn, HF's non-interleaved layout).
+        rows = None
+        if mrope_section is not None:
+            rows = torch.tensor([i % 3 for i, n in enumerate(mrope_section) for _ in range(n)],
+                                device=device)
+        self.register_buffer("rows", rows, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [T] -> (cos, sin), each [T, 1, head_dim // 2] in `dtype` (HF casts to q's)."""
-        return (self.cos[positions].to(dtype)[:, None, :],
-                self.sin[positions].to(dtype)[:, None, :])
+        """positions [T], or [3, T] (t, h, w) with mrope_section -> (cos, sin), each
+        [T, 1, head_dim // 2] in `dtype` (HF casts to q's)."""
+        if positions.dim() == 1:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            idx = positions[self.rows].T  # [T, head_dim // 2]: each frequency's own row
+            cols = torch.arange(idx.shape[1], device=idx.device)
+            cos, sin = self.cos[idx, cols], self.sin[idx, cols]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -22,14 +22,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 IMAGE = "<image>"
-# LLaVA's: a string content as is; in a list of parts, text parts as is and one <image> per
-# image part (the processor expands it to the image's feature count).
-LLAVA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+QWEN2_VL_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def _vision_template(image: str) -> str:
+    """CHAT_TEMPLATE that also takes a list of parts: text parts as is and `image` for each
+    image part (the processor expands its image token to the image's feature count)."""
+    return ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+            "{% if p['type'] == 'image' %}" + image + "{% else %}{{ p['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+LLAVA_CHAT_TEMPLATE = _vision_template(IMAGE)
+# Qwen2-VL's template, shortened: each image is <|vision_start|><|image_pad|><|vision_end|>.
+QWEN2_VL_CHAT_TEMPLATE = _vision_template("".join(QWEN2_VL_SPECIALS))
 # Training text for the tokenizer: stdlib modules present in every CPython install.
 CORPUS = ["textwrap.py", "string.py", "argparse.py", "json/decoder.py", "heapq.py", "bisect.py",
           "functools.py", "dataclasses.py", "shutil.py", "csv.py", "fractions.py", "calendar.py",
@@ -216,13 +224,96 @@ def build_tiny_llava(out_dir: str, image_size: int = 28, patch_size: int = 14,
                          image_seq_length=(image_size // patch_size) ** 2)
     with torch.random.fork_rng(devices=[]):
         model = LlavaForConditionalGeneration(config)
+    _vision_weights(model, lm, seed)
+    model.save_pretrained(tmp)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": settings["shortest_edge"]},
+                                            crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor, tokenizer, patch_size=patch_size,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(tmp)
+    return _publish(tmp, out_dir, settings)
+
+
+def build_tiny_qwen2_vl(out_dir: str, patch_size: int = 14, merge_size: int = 2,
+                        vision_hidden: int = 32, vision_layers: int = 2,
+                        min_tokens: int = 4, max_tokens: int = 48,
+                        mrope_section: tuple[int, int, int] = (2, 3, 3), seed: int = 0,
+                        windows: dict | None = None, **text) -> str:
+    """A random-weight Qwen2VLForConditionalGeneration in `out_dir`: a vision encoder of
+    `vision_layers` blocks over patch_size**2 patches (two frames each), merged
+    merge_size**2 to one token, and the Qwen2 of build_tiny_model (`text`: its size
+    arguments; M-RoPE in `mrope_section`, halves of head_dim). Its tokenizer has
+    `<|vision_start|>`, `<|image_pad|>` and `<|vision_end|>` and QWEN2_VL_CHAT_TEMPLATE; the
+    PIL image processor, saved alongside (preprocessor_config.json), resizes each image to
+    min_tokens..max_tokens tokens. Weights are drawn as build_tiny_llava's. With `windows`
+    (Qwen2.5-VL's window fields, see build_tiny_qwen2_5_vl), a
+    Qwen2_5_VLForConditionalGeneration instead. Idempotent."""
+    settings = dict(format=FORMAT, arch="qwen2_vl" if windows is None else "qwen2_5_vl",
+                    patch_size=patch_size, merge_size=merge_size, vision_hidden=vision_hidden,
+                    vision_layers=vision_layers, min_tokens=min_tokens, max_tokens=max_tokens,
+                    mrope_section=list(mrope_section), seed=seed, windows=windows, text=text)
+    tmp = _workdir(out_dir, settings, "build_tiny_qwen2_vl")
+    if tmp is None:
+        return out_dir
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+
+    tokenizer = _tokenizer(text.get("vocab_size", 512), QWEN2_VL_SPECIALS, QWEN2_VL_CHAT_TEMPLATE)
+    s = dict(_text_settings(text), arch="qwen2", seed=seed)
+    lm = _model(s, tokenizer, torch.float32)
+    if windows is None:
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(embed_dim=vision_hidden, hidden_size=s["hidden_size"], mlp_ratio=2)
+    else:  # Qwen2.5-VL's hidden_size is the blocks' width, out_hidden_size the merger's output
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = dict(hidden_size=vision_hidden, out_hidden_size=s["hidden_size"],
+                      intermediate_size=2 * vision_hidden, **windows)
+    text_config = {**lm.config.to_dict(), "model_type": f"{config_class.model_type}_text",
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": list(mrope_section)}}
+    vision.update(depth=vision_layers, num_heads=2, patch_size=patch_size,
+                  spatial_merge_size=merge_size, temporal_patch_size=2)
+    ids = tokenizer.convert_tokens_to_ids(list(QWEN2_VL_SPECIALS))
+    config = config_class(text_config=text_config, vision_config=vision,
+                          vision_start_token_id=ids[0], image_token_id=ids[1],
+                          vision_end_token_id=ids[2], tie_word_embeddings=s["tie_word_embeddings"])
+    with torch.random.fork_rng(devices=[]):
+        model = model_class(config)
+    _vision_weights(model, lm, seed)
+    model.save_pretrained(tmp)
+    pixels = (patch_size * merge_size) ** 2  # per token
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": min_tokens * pixels, "longest_edge": max_tokens * pixels},
+        patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2)
+    # Not as a Qwen2VLProcessor: that one needs the video processor, hence torchvision.
+    image_processor.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, out_dir, settings)
+
+
+def build_tiny_qwen2_5_vl(out_dir: str, window_size: int = 56,
+                          full_blocks: tuple[int, ...] = (1,), **kw) -> str:
+    """A random-weight Qwen2_5_VLForConditionalGeneration in `out_dir`: build_tiny_qwen2_vl's
+    model (`kw`: its arguments) with Qwen2.5-VL's vision blocks (RMSNorm, a gated SiLU MLP)
+    that attend within square windows of window_size pixels, except the blocks of
+    full_blocks, which attend over the whole image. The defaults: windows of 2 x 2 tokens
+    (of 28 x 28 pixels), block 0 windowed and block 1 full. Idempotent."""
+    windows = dict(window_size=window_size, fullatt_block_indexes=list(full_blocks))
+    return build_tiny_qwen2_vl(out_dir, windows=windows, **kw)
+
+
+def _vision_weights(model, lm, seed: int) -> None:
+    """Draw a vision-language model's weights: its language model's are `lm`'s (a
+    build_tiny_model model, with `model.` where the VLM has `model.language_model.`); the
+    rest as build_tiny_model does, with matrices of gain 2."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         lm_params = dict(lm.named_parameters())
         for name, p in model.named_parameters():
             if "language_model" in name or name.startswith("lm_head"):
                 p.copy_(lm_params[name.replace("model.language_model.", "model.")])
-            elif "norm" in name and name.endswith("weight"):
+            elif name.endswith("weight") and p.dim() == 1:  # norms
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             elif name.endswith("bias") or p.dim() == 1:  # biases, CLIP's class embedding
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -232,13 +323,6 @@ def build_tiny_llava(out_dir: str, image_size: int = 28, patch_size: int = 14,
                 fan_in = p[0].numel()
                 p.copy_(torch.randn(p.shape, generator=g) * (2.0 / fan_in ** 0.5))
     model.generation_config = lm.generation_config
-    model.save_pretrained(tmp)
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": settings["shortest_edge"]},
-                                            crop_size={"height": image_size, "width": image_size})
-    LlavaProcessor(image_processor, tokenizer, patch_size=patch_size,
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                   chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(tmp)
-    return _publish(tmp, out_dir, settings)
 
 
 def _text_settings(text: dict) -> dict:
