@@ -143,6 +143,38 @@ def test_greedy_and_logits_match_transformers(engine, hf):
     engine.check()
 
 
+def test_an_image_cut_by_a_chunk_runs_the_tower_once(vlm):
+    """Chunks cut images: the chunk after a cut takes the image's features from the one
+    before, so each distinct image goes through the vision tower once."""
+    # An odd chunk, so that chunks cut LLaVA's 4-token images too.
+    engine = Engine(vlm, page_size=4, max_prefill_tokens=CHUNK[ModelConfig.from_dir(vlm).architecture] + 1)
+    model = engine.runner.model
+    tower = model.image_features
+    computed, cut = [], []
+
+    def counted(images):
+        computed.extend(im.pad for im in images)
+        return tower(images)
+
+    features = model.features
+
+    def watched(batch):
+        cut.extend(batch.cut)
+        return features(batch)
+
+    model.image_features, model.features = counted, watched
+    try:
+        pics = [picture(w, h, 40 + k) for k, (w, h) in enumerate(SIZES * 3)]
+        out = engine.generate(messages=[chat("all of them", pics)],
+                              sampling_params=SamplingParams(max_new_tokens=2, temperature=0))
+    finally:
+        del model.image_features, model.features  # the class's again
+    assert out[0].samples[0].finish_reason == "length"
+    assert cut, "no chunk cut an image: the test shows nothing"
+    assert sorted(computed) == sorted(set(computed)) and len(computed) == len(pics)
+    assert not model.carried  # nothing cut at the end: nothing kept
+
+
 def test_positions_match_transformers(engine, hf):
     """A prompt's positions (Qwen2-VL: M-RoPE's three rows) are transformers', however a
     chunk boundary splits it; the tokens after it continue in one row."""

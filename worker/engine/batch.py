@@ -66,13 +66,14 @@ class ImageBatch:
     images: list[Image]  # the distinct images (by pad id), in order of first use
     rows: torch.Tensor  # [M] int64, rows of [T] that are image tokens
     features: torch.Tensor  # [M] int64, row of the images' concatenated features for each
+    cut: set[int]  # pad ids of the images whose tokens go on past this batch (the next chunk's)
 
     @classmethod
     def build(cls, reqs: list[Req], extend_lens: list[int], device) -> ImageBatch | None:
         """The image tokens among each request's new positions [kv_len, kv_len + n): a chunk
         may start or end inside an image, so features are taken by offset into it."""
         offsets: dict[int, int] = {}  # pad id -> its first feature row
-        images, rows, feats = [], [], []
+        images, rows, feats, cut = [], [], [], set()
         t = total = 0
         for r, n in zip(reqs, extend_lens):
             lo, hi = r.kv_len, r.kv_len + n
@@ -87,6 +88,8 @@ class ImageBatch:
                 rows.extend(range(t + a - lo, t + b - lo))
                 base = offsets[span.image.pad] - span.start
                 feats.extend(range(base + a, base + b))
+                if b < span.start + span.length:
+                    cut.add(span.image.pad)
             t += n
         if not rows:
             return None
@@ -94,7 +97,7 @@ class ImageBatch:
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
 
-        return cls(images, tensor(rows), tensor(feats))
+        return cls(images, tensor(rows), tensor(feats), cut)
 
 
 @dataclass(slots=True)

@@ -115,13 +115,28 @@ class VisionLM(nn.Module):
     subclass builds its vision tower and gives `image_features(images)`: the distinct images
     of a batch (images.py's Image) -> their features, concatenated [sum of tokens, hidden]."""
 
+    def __init__(self):
+        super().__init__()
+        # pad id -> features of an image that the last prefill chunk cut: the next chunk,
+        # which holds the rest of its tokens, takes them instead of running the tower again.
+        self.carried: dict[int, torch.Tensor] = {}
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         lm = self.language_model
         # Image positions hold pad ids past the vocabulary; their embeddings are replaced.
         h = lm.embed_tokens(input_ids.masked_fill(input_ids >= self.cfg.vocab_size, 0))
         if fb.images is not None:
-            h[fb.images.rows] = self.image_features(fb.images.images)[fb.images.features]
+            h[fb.images.rows] = self.features(fb.images)[fb.images.features]
         return lm.decode(h, positions, fb)
+
+    def features(self, batch) -> torch.Tensor:
+        """The features of the batch's images (batch.py's ImageBatch), concatenated: the
+        tower runs on those not carried over from the last chunk, in one call."""
+        todo = [im for im in batch.images if im.pad not in self.carried]
+        fresh = iter(self.image_features(todo).split([im.tokens for im in todo]) if todo else ())
+        per = [self.carried[im.pad] if im.pad in self.carried else next(fresh) for im in batch.images]
+        self.carried = {im.pad: f for im, f in zip(batch.images, per) if im.pad in batch.cut}
+        return torch.cat(per)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.logits(hidden)
