@@ -222,6 +222,7 @@ class Consumer(BaseWorker):
             if not self.engine.has_work():
                 if loading:  # nothing to step until its images are read
                     wait(loading, timeout=0.1, return_when=FIRST_COMPLETED)
+                    self.publish([])  # reads the cancel flags: a job canceled meanwhile ends now
                     return None
                 return False if burst and not self.active else None
         return True

@@ -321,3 +321,20 @@ def test_a_slow_download_holds_up_only_its_own_job(vision_service, image_server)
         assert c.status(slow["id"])["status"] == "succeeded"
     # The text job ran while the image was still downloading.
     assert "slow.png" in image_server.served_at and quick_done < image_server.served_at["slow.png"]
+
+
+def test_a_job_canceled_while_its_image_downloads_ends_at_once(vision_service, image_server):
+    from results.client import Client
+    import redis as redis_lib
+    url, redis_url = vision_service
+    image_server.files["slow2.png"] = image(seed=5)
+    image_server.served_at.pop("slow2.png", None)
+    with Client(url) as c:
+        job = c.submit(messages=[chat(image_server.url + "/sleep/6/slow2.png")], sampling_params=SP, seed=7)
+        time.sleep(0.5)  # the worker is downloading its image
+        c.cancel(job["id"])
+        conn = redis_lib.Redis.from_url(redis_url)
+        list(reader.follow(conn, job["id"], timeout=60))
+        conn.close()
+        assert c.status(job["id"])["status"] == "canceled"
+    assert "slow2.png" not in image_server.served_at, "the job ended only once its image came"
