@@ -11,7 +11,7 @@ from PIL import Image as PILImage
 
 from worker.engine import Engine, SamplingParams
 from worker.engine.image_urls import ImageSources
-from worker.engine.images import decode_image, image_processor
+from worker.engine.images import decode_image, image_processor, open_image
 from worker.engine.models.config import ModelConfig
 from worker.engine.models.tiny import build_tiny_llava, build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 from worker.engine.req import Req
@@ -97,7 +97,7 @@ def test_preprocessing_matches_transformers(vlm, hf):
     ours = image_processor(vlm, ModelConfig.from_dir(vlm).vision)
     # The last two: Qwen2-VL scales them up to min_pixels and down to max_pixels.
     for k, (w, h) in enumerate(SIZES + [(28, 28), (300, 41), (3, 2), (600, 400)]):
-        img = decode_image(ImageSources().read(data_url(picture(w, h, k), "WEBP" if k % 2 else "PNG")))
+        img = decode_image(open_image(ImageSources().read(data_url(picture(w, h, k), "WEBP" if k % 2 else "PNG"))))
         ref = processor.image_processor(img, return_tensors="pt")
         got, tokens, grid = ours(img)
         assert got.numel() == ref["pixel_values"].numel()
@@ -175,6 +175,26 @@ def test_an_image_cut_by_a_chunk_runs_the_tower_once(vlm):
     assert not model.carried  # nothing cut at the end: nothing kept
 
 
+def test_a_big_image_batch_holds_a_window_of_images(vlm):
+    """An image budget of one byte: images are loaded a slice at a time (two in flight), so
+    the requests in the engine hold a few slices' images, never the batch's; the tokens are
+    those of an engine with the default budget."""
+    from worker.engine.intake import MAX_LOADING, SLICE
+    chats = [chat(f"item {k}", [picture(20 + k, 30, 70 + k)]) for k in range(3 * SLICE + 3)]
+    sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)  # live a while
+    ref = Engine(vlm, page_size=4).generate(messages=chats, sampling_params=sp)
+    eng = Engine(vlm, page_size=4, image_memory=1)
+    most, done = 0, {}
+    for ev in eng.generate(messages=chats, sampling_params=sp, stream=True):
+        most = max(most, len({id(s.image) for r in eng.front.intake.live if not r.finished for s in r.images}))
+        if ev.finished:
+            done[ev.index] = ev.token_ids
+    assert 0 < most <= MAX_LOADING * SLICE < len(chats)
+    assert [done[k] for k in range(len(chats))] == [it.samples[0].token_ids for it in ref]
+    assert len(eng.front.intake) == 0 and eng.front.intake.held() == 0
+    eng.check()
+
+
 def test_positions_match_transformers(engine, hf):
     """A prompt's positions (Qwen2-VL: M-RoPE's three rows) are transformers', however a
     chunk boundary splits it; the tokens after it continue in one row."""
@@ -241,13 +261,17 @@ def test_bad_items_fail_alone(vlm):
     remote = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]
     too_long = chat("many", [picture(28, 28, 4)] * 65)  # 65 * 4 image tokens > 256 context
-    out = eng.generate(messages=[good, not_image, remote, too_long], sampling_params=sp)
+    wordy = chat("word " * 300, [picture(28, 28, 5)])  # the image fits, the text does not
+    out = eng.generate(messages=[good, not_image, remote, too_long, wordy], sampling_params=sp)
     assert out[0].samples[0].finish_reason == "length" and len(out[0].samples[0].token_ids) == 3
     errors = [it.samples[0].error for it in out[1:]]
-    assert [it.samples[0].finish_reason for it in out[1:]] == ["error"] * 3
+    assert [it.samples[0].finish_reason for it in out[1:]] == ["error"] * 4
     assert "messages[1]: image 0: not a decodable PNG, JPEG or WebP image" in errors[0]
     assert "https: image URLs are not taken by this worker" in errors[1]
-    assert "65 images expanded" in errors[2] and "context is 256" in errors[2]
+    # Refused from the images' headers, before any is decoded.
+    assert errors[2] == "messages[3]: its images take 260 tokens; the model's context is 256 " \
+        "(they were not decoded)", errors[2]
+    assert "(1 images expanded); the model's context is 256" in errors[3], errors[3]
     eng.check()
 
 

@@ -38,7 +38,6 @@ import os
 import signal
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +103,6 @@ class Active:
     steps: int = 0
     max_batch_jobs: int = 0
     custom_ids: list[str | None] | None = None  # per item, for its stream entries
-    # A job whose chats hold images waits here, out of the engine, while a thread reads and
-    # decodes them: (that future, then engine.add's items, params and seed).
-    loading: tuple[Future, list, list, int] | None = None
 
     def custom_id(self, index: int) -> str | None:
         return self.custom_ids[index] if self.custom_ids else None
@@ -128,9 +124,6 @@ class Consumer(BaseWorker):
         self._model_since = int(time.time())
         # The image URL schemes its chats take, [] for a text model: the API's check of image parts.
         self.image_schemes = engine.image_schemes()
-        # Reads (file, download) and decodes a job's images off the loop: other jobs' steps
-        # go on meanwhile.
-        self.image_loader = ThreadPoolExecutor(2, thread_name_prefix="images")
         self.settings = settings
         self.drain_timeout = drain_timeout
         self.heartbeat_ttl = settings.heartbeat_ttl
@@ -198,7 +191,6 @@ class Consumer(BaseWorker):
                 if self.publish(events) and not self._stop_requested:
                     self.guard(self.admit, False)  # jobs are waiting: join them to the batch
         finally:
-            self.image_loader.shutdown(wait=False, cancel_futures=True)
             for a in list(self.active.values()):
                 self.hand_back(a)
             try:
@@ -212,18 +204,12 @@ class Consumer(BaseWorker):
         """Housekeeping, and jobs if the engine is idle. True: step the engine; False: stop;
         None: come again."""
         self.tick()
-        self.add_loaded()
         if self._stop_requested and not self.active:
             return False
         if not self.engine.has_work():  # idle: wait (1 s at most) for a job
-            loading = [a.loading[0] for a in self.active.values() if a.loading]
             if not self._stop_requested:
-                self.admit(block=not burst and not loading)
+                self.admit(block=not burst)
             if not self.engine.has_work():
-                if loading:  # nothing to step until its images are read
-                    wait(loading, timeout=0.1, return_when=FIRST_COMPLETED)
-                    self.publish([])  # reads the cancel flags: a job canceled meanwhile ends now
-                    return None
                 return False if burst and not self.active else None
         return True
 
@@ -514,16 +500,9 @@ class Consumer(BaseWorker):
         self.send(batch)
         if job_id not in self.active:  # dropped: Redis was away longer than the TTL
             return
-        if todo and spec.kind == "messages" and any(m.has_images() for chat in spec.items for m in chat):
-            a.loading = (self.image_loader.submit(self.engine.load_images, todo), todo, todo_params, spec.seed)
-            return  # added to the engine once they are read (add_loaded)
-        self.add(a, todo, todo_params, spec.seed)
-
-    def add(self, a: Active, items: list, params: list, seed: int, images=None) -> None:
-        """A started job's unfinished items into the engine (with its images, when read)."""
-        if items:
+        if todo:
             try:
-                self.engine.add(a.job.id, items, params, seed=seed, images=images)
+                self.engine.add(job_id, todo, todo_params, seed=spec.seed)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return
@@ -532,19 +511,6 @@ class Consumer(BaseWorker):
                 return
         if a.remaining == 0:
             self.succeed(a)
-
-    def add_loaded(self) -> None:
-        """Add the jobs whose images are read (a job canceled, failed or handed back
-        meanwhile is no longer active: its images are dropped)."""
-        for a in [a for a in self.active.values() if a.loading and a.loading[0].done()]:
-            future, items, params, seed = a.loading
-            a.loading = None
-            try:
-                images = future.result()
-            except Exception:
-                self.fail(a, traceback.format_exc())
-                continue
-            self.add(a, items, params, seed, images)
 
     def engine_item(self, kind: str, index: int, item: Any) -> tuple:
         """A job item -> the engine's (index, prompt, input_ids); ValueError fails the item."""

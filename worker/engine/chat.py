@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .image_urls import ImageError, ImageSources
-from .images import ClipProcessor, Image, ImageSpan, Qwen2VLProcessor, load_image
+from .images import ClipProcessor, Image, ImageSpan, Qwen2VLProcessor, load_image, open_image
+
+
+class PastContext(ImageError):
+    """A chat whose images alone fill the context: they are not decoded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,25 +37,58 @@ class ChatEncoder:
         """The image URL schemes taken: [] for a text model."""
         return self.sources.schemes if self.vision is not None else []
 
-    def load(self, chats: list) -> dict[str, Image | ImageError]:
+    def image_urls(self, chat) -> list[str]:
+        """The image URLs of a chat item for this (vision) model; [] for anything else,
+        which encode() takes (or fails) at once."""
+        if self.vision is None or not isinstance(chat, list):
+            return []
+        try:
+            return _parse(chat)[1]
+        except ValueError:
+            return []
+
+    def load(self, chats: list, max_tokens: int | None = None) -> dict[str, Image | ImageError]:
         """The images of these chats, each distinct URL read (concurrently, for downloads),
-        decoded and preprocessed once. Safe to run off the engine's thread."""
+        decoded and preprocessed once. The headers come first: the images of a chat whose
+        images alone take max_tokens or more are not decoded (it fails: past the context),
+        so no request's images can take more memory than a context's worth. Safe to run
+        off the engine's thread."""
         if self.vision is None:
             return {}
-        urls = []
+        per_chat = []
         for chat in chats:
             try:
-                urls += _parse(chat)[1]
+                per_chat.append(_parse(chat)[1])
             except ValueError:
                 pass  # encode() fails its item with the reason
-        v, out = self.vision, {}
-        for url, raw in self.sources.read_all(urls).items():
+        v, opened = self.vision, {}
+        for url, raw in self.sources.read_all([u for urls in per_chat for u in urls]).items():
             try:
                 if isinstance(raw, ImageError):
                     raise raw
-                out[url] = load_image(raw, v.processor, v.vocab_size)
+                img = open_image(raw)
+                opened[url] = (img, v.processor.tokens_of(*img.size))
             except ImageError as e:
-                out[url] = e
+                opened[url] = e
+        needed, over = set(), {}
+        for urls in per_chat:
+            tokens = sum(opened[u][1] for u in urls if not isinstance(opened[u], ImageError))
+            if max_tokens is not None and tokens >= max_tokens:
+                over.update((u, tokens) for u in urls)
+            else:
+                needed.update(urls)
+        out: dict[str, Image | ImageError] = {}
+        for url, o in opened.items():
+            if isinstance(o, ImageError):
+                out[url] = o
+            elif url not in needed:
+                out[url] = PastContext(f"its images take {over[url]} tokens; the model's context "
+                                       f"is {max_tokens} (they were not decoded)")
+            else:
+                try:
+                    out[url] = load_image(o[0], v.processor, v.vocab_size)
+                except ImageError as e:
+                    out[url] = e
         return out
 
     def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None
@@ -80,6 +117,8 @@ class ChatEncoder:
         out, spans, prev = [], [], 0
         for k, (mark, url) in enumerate(zip(marks, urls)):
             image = images[url]
+            if isinstance(image, PastContext):  # the chat's, not this image's
+                raise ValueError(str(image))
             if isinstance(image, ImageError):
                 raise ValueError(f"image {k}: {image}")
             out += ids[prev:mark]

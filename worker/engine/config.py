@@ -56,6 +56,8 @@ class EngineConfig:
                                                env="FANOUT_IMAGE_HTTP_HOSTS")
     image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
     image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
+    image_memory: int = _knob(2 << 30, "bytes of preprocessed images the requests in the engine "
+                                       "may hold before more items with images are loaded")
 
     @property
     def image_sources(self) -> ImageSources:
@@ -63,7 +65,7 @@ class EngineConfig:
                             self.image_max_bytes, self.image_fetch_timeout)
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_running", "max_prefill_tokens"):
+        for name in ("page_size", "max_running", "max_prefill_tokens", "image_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens is not None and self.kv_tokens < 1:

@@ -2,8 +2,9 @@
 driven step by step.
 
 The worker drives it with add / step / abort; `generate` is the offline call built on
-the same steps. One step: Scheduler.schedule -> Executor.run (forward + sample) ->
-Scheduler.process (apply, finish) -> Front.collect (events).
+the same steps. One step: Front.feed (chat items whose images are loaded) ->
+Scheduler.schedule -> Executor.run (forward + sample) -> Scheduler.process (apply, finish)
+-> Front.collect (events).
 """
 from __future__ import annotations
 
@@ -70,21 +71,15 @@ class Engine:
                                  mc.vision.image_token_id, mc.vocab_size)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
                            self.kv_manager.num_tokens, eos, mc.vocab_size,
-                           ChatEncoder(self.tokenizer, vision, cfg.image_sources))
+                           ChatEncoder(self.tokenizer, vision, cfg.image_sources), cfg.image_memory)
 
     # -- step-level interface (the worker drives these) --------------------------
 
     def add(self, tag: object, items: list[tuple], sampling_params, seed: int | None = None,
-            sink: Callable[[Event], None] | None = None, images: dict | None = None) -> int:
+            sink: Callable[[Event], None] | None = None) -> int:
         """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
-        to sink, or are returned by step() when no sink is given. `images`: load_images(items)
-        when it ran already (else the chats' images are read here). Returns the job seed."""
-        return self.front.add(tag, items, sampling_params, seed, sink, images)
-
-    def load_images(self, items: list[tuple]) -> dict:
-        """Read, decode and preprocess the images of these items' chats (thread-safe: the
-        worker runs it off its loop, so a download does not hold up the steps)."""
-        return self.front.chats.load([p for _, p, _ in items if isinstance(p, list)])
+        to sink, or are returned by step() when no sink is given. Returns the job seed."""
+        return self.front.add(tag, items, sampling_params, seed, sink)
 
     def image_schemes(self) -> list[str]:
         """The image URL schemes chats may use ([] for a text model)."""
@@ -100,6 +95,9 @@ class Engine:
     def _advance(self) -> None:
         """One step whose sink-less events stay with the front for the next step() caller."""
         try:  # free until something raises
+            # Chat items whose images are loaded join (a step with nothing else to run
+            # waits a little for them).
+            self.front.feed(block=not self.scheduler.has_work())
             batch = self.scheduler.schedule()
             run = self.executor.run(batch) if batch is not None else RunOutput()
             self.front.collect(self.scheduler.process(run))
@@ -115,11 +113,11 @@ class Engine:
         return self.front.abort(tag)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.front.has_events()
+        return self.scheduler.has_work() or self.front.has_events() or len(self.front.intake) > 0
 
     def has_room(self) -> bool:
-        """Worth taking another job now."""
-        return self.scheduler.has_room()
+        """Worth taking another job now (items waiting for their images count as waiting)."""
+        return self.scheduler.has_room(len(self.front.intake))
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""

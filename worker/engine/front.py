@@ -2,9 +2,9 @@
 as (index, sample)-tagged events.
 
 Fan-out tokenizes the batch (in one call when every item is text; a chat through its
-template, its images decoded: chat.py), gives each
-(item, sample) a rid, a seed derived from (job seed, item, sample) and, when its output has
-a grammar, a matcher of that grammar (compiled once: grammar.py), and for n > 1 first
+template: chat.py; a chat with images once the intake has loaded them: intake.py), gives
+each (item, sample) a rid, a seed derived from (job seed, item, sample) and, when its output
+has a grammar, a matcher of that grammar (compiled once: grammar.py), and for n > 1 first
 runs one max_new_tokens=0 warm-up per distinct prompt - all warm-ups in the same step - so
 the n samples find the prompt in the radix cache. Fan-in detokenizes incrementally, applies
 stop strings, and turns scheduler output into events in completion order.
@@ -23,6 +23,7 @@ from .detokenizer import Detokenizer
 from .events import Event, Usage
 from .images import ImageSpan
 from .grammar import GrammarError, Grammars
+from .intake import ImageIntake, Pending
 from .req import Req
 from .sampling_params import SamplingParams, per_item
 from .scheduler import Scheduler, StepResult, step_error
@@ -63,10 +64,11 @@ class _Warmup:
 
 class Front:
     def __init__(self, scheduler: Scheduler, tokenizer, max_context: int, kv_tokens: int,
-                 eos_ids: set[int], vocab_size: int, chats: ChatEncoder):
+                 eos_ids: set[int], vocab_size: int, chats: ChatEncoder, image_memory: int):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.chats = chats
+        self.intake = ImageIntake(chats, max_context, image_memory)  # chat items with images
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.kv_tokens = kv_tokens
@@ -89,13 +91,8 @@ class Front:
         return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
                 else list(p) for p in prompts]
 
-    def encode(self, items: list[tuple], images: dict | None = None
-               ) -> list[tuple[list[int], list[ImageSpan], str | None]]:
-        """(ids, image spans, error) per item: a chat's error (template, image) is its own.
-        `images`: the chats' images, if read already (ChatEncoder.load); else read here."""
-        chats = [chat for _, chat, _ in items if isinstance(chat, list)]
-        if images is None and chats:
-            images = self.chats.load(chats)
+    def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
+        """(ids, image spans, error) per item: a chat's error (template) is its own."""
         out: list = [None] * len(items)
         plain = [i for i, (_, prompt, _) in enumerate(items) if not isinstance(prompt, list)]
         for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
@@ -103,18 +100,23 @@ class Front:
             out[i] = (ids, [], None)
         for i, (index, chat, _) in enumerate(items):
             if isinstance(chat, list):
-                try:
-                    out[i] = (*self.chats.encode(chat, images), None)
-                except ValueError as e:
-                    out[i] = ([], [], f"messages[{index}]: {e}")
+                out[i] = self._encode_chat(index, chat)
         return out
 
+    def _encode_chat(self, index: int, chat: list, images: dict | Exception | None = None) -> tuple:
+        if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
+            return [], [], f"messages[{index}]: its images could not be loaded ({step_error(images)})"
+        try:
+            return (*self.chats.encode(chat, images), None)
+        except ValueError as e:
+            return [], [], f"messages[{index}]: {e}"
+
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
-            sink: Sink | None, images: dict | None = None) -> int:
+            sink: Sink | None) -> int:
         """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
         (a list of messages); params: one SamplingParams for all or one per item (see
-        sampling_params.per_item); images: the chats' images if read already
-        (ChatEncoder.load). Returns the job seed used."""
+        sampling_params.per_item). A chat with images waits in the intake until they are
+        loaded (feed). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
@@ -122,8 +124,31 @@ class Front:
             if (prompt is None) == (ids is None):
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
         group = next(self._ids)
+        urls = [self.chats.image_urls(prompt) for _, prompt, _ in items]
+        now = [(item, p) for item, p, u in zip(items, params, urls) if not u]
+        self.intake.put([Pending(tag, group, index, chat, p, seed, sink)
+                         for (index, chat, _), p, u in zip(items, params, urls) if u])
+        if now:
+            self._fan_out(tag, group, [(item[0], *enc, p) for (item, p), enc
+                                       in zip(now, self.encode([item for item, _ in now]))], seed, sink)
+        return seed
+
+    def feed(self, block: bool) -> None:
+        """Fan out the chat items whose images the intake has loaded (`block`: the engine
+        has nothing else to do, so wait a little for them)."""
+        for items, images in self.intake.ready(block):
+            for it in items:
+                enc = self._encode_chat(it.index, it.chat, images)
+                self.intake.hold(self._fan_out(it.tag, it.group, [(it.index, *enc, it.params)],
+                                               it.seed, it.sink))
+
+    def _fan_out(self, tag: object, group: int, entries: list[tuple], seed: int,
+                 sink: Sink | None) -> list[Req]:
+        """Requests for entries (index, ids, image spans, error, params), to the scheduler
+        (n > 1: behind one warm-up per distinct prompt); returns them."""
         by_prompt: dict[tuple, _Warmup] = {}
-        for (index, _, _), (ids, spans, error), p in zip(items, self.encode(items, images), params):
+        made = []
+        for index, ids, spans, error, p in entries:
             error = error or self._check(ids, p, spans)
             grammar, matchers = p.grammar, [None] * p.n
             if error is None and grammar is not None:
@@ -135,6 +160,7 @@ class Front:
                         seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
                         eos_ids=self.eos_ids, tag=tag, index=index, sample=j,
                         grammar=matchers[j], images=spans) for j in range(p.n)]
+            made += reqs
             # Image positions have no text to give the first output tokens context.
             text_ids = [t for t in ids if t < self.vocab_size] if spans else ids
             for r in reqs:
@@ -159,7 +185,8 @@ class Front:
             self.warmups[w.req.rid] = w
             self.warmup_count += 1
             self.scheduler.add(w.req)
-        return seed
+            made.append(w.req)
+        return made
 
     def _check(self, ids: list[int], p: SamplingParams, images: list[ImageSpan]) -> str | None:
         if not ids:
@@ -186,7 +213,7 @@ class Front:
         return bool(self.outbox)
 
     def abort(self, tag: object) -> int:
-        n = 0
+        n = sum(p.params.n for p in self.intake.drop(tag))  # no requests yet: nothing to end
         for rid, w in list(self.warmups.items()):
             if w.req.tag == tag:
                 del self.warmups[rid]

@@ -58,8 +58,9 @@ class ImageSpan:
         return 0 if grid is None else max(grid) - self.length
 
 
-def decode_image(raw: bytes):
-    """An encoded PNG, JPEG or WebP image -> an RGB PIL image, or ImageError."""
+def open_image(raw: bytes):
+    """An encoded PNG, JPEG or WebP image -> a PIL image whose header is read (its size), its
+    pixels not decoded yet; or ImageError."""
     from PIL import Image as PILImage
 
     try:
@@ -69,8 +70,13 @@ def decode_image(raw: bytes):
     w, h = img.size
     if w * h > MAX_IMAGE_PIXELS:
         raise ImageError(f"image is {w}x{h} pixels; at most {MAX_IMAGE_PIXELS} are allowed")
+    return img
+
+
+def decode_image(img):
+    """An opened image (open_image) -> its RGB pixels (a decoded PIL image), or ImageError."""
     try:
-        return img.convert("RGB")  # decodes the pixels
+        return img.convert("RGB")
     except Exception as e:
         raise ImageError(f"the image data is corrupt ({type(e).__name__}: {e})") from None
 
@@ -118,6 +124,10 @@ class ClipProcessor:
             raise ValueError(f"{path}: crop_size {crop} larger than the resized image "
                              f"(shortest edge {size['shortest_edge']}) is not supported")
         return cls(size["shortest_edge"], crop, tokens, Normalize.from_dict(raw))
+
+    def tokens_of(self, w: int, h: int) -> int:
+        """The tokens an image of w x h pixels becomes (known before decoding it)."""
+        return self.tokens
 
     def __call__(self, img) -> tuple[torch.Tensor, int, None]:
         """An RGB PIL image -> ([3, crop_h, crop_w] float32, tokens, no grid)."""
@@ -172,6 +182,11 @@ class Qwen2VLProcessor:
             rh, rw = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
         return rw, rh
 
+    def tokens_of(self, w: int, h: int) -> int:
+        """The tokens an image of w x h pixels becomes (known before decoding it)."""
+        w, h = self.size(w, h)
+        return (w // (self.patch * self.merge)) * (h // (self.patch * self.merge))
+
     def __call__(self, img) -> tuple[torch.Tensor, int, tuple[int, int, int]]:
         """An RGB PIL image -> (patches [tokens * merge**2, 3 * frames * p * p], tokens, grid)."""
         w, h = self.size(*img.size)
@@ -201,10 +216,11 @@ def image_processor(path: str, vision: VisionConfig | Qwen2VLVisionConfig
     return ClipProcessor.from_dict(raw, path, vision.tokens_per_image)
 
 
-def load_image(raw: bytes, processor: ClipProcessor | Qwen2VLProcessor, vocab_size: int) -> Image:
-    """Decode and preprocess one image; its pad id hashes its decoded pixels and size, so the
-    same pixels in another (lossless) container share their cached prefix."""
-    img = decode_image(raw)
+def load_image(img, processor: ClipProcessor | Qwen2VLProcessor, vocab_size: int) -> Image:
+    """Decode and preprocess one opened image (open_image); its pad id hashes its decoded
+    pixels and size, so the same pixels in another (lossless) container share their cached
+    prefix."""
+    img = decode_image(img)
     digest = hashlib.blake2b(img.tobytes(), digest_size=8,
                              person=f"{img.width}x{img.height}".encode()[:16]).digest()
     pad = vocab_size + int.from_bytes(digest, "little") % (1 << PAD_BITS)

@@ -62,9 +62,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def has_room(self) -> bool:
-        """Worth taking more requests now: the waiting queue is short."""
-        return len(self.waiting) < max(8, self.cfg.max_running // 4)
+    def has_room(self, pending: int = 0) -> bool:
+        """Worth taking more requests now: the waiting queue (and `pending` more on their
+        way) is short."""
+        return len(self.waiting) + pending < max(8, self.cfg.max_running // 4)
 
     def abort(self, rid: str) -> Req | None:
         """Abort a request wherever it is; its KV is freed now."""

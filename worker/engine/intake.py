@@ -1,0 +1,99 @@
+"""Chat items with images, on their way into the engine.
+
+Their images are read (files, downloads: image_urls.py), decoded and preprocessed
+(images.py) on threads of their own, a few items at a time, so the steps of the requests
+already in the engine go on meanwhile. And only while the preprocessed images that live
+requests hold stay under a budget: a job of 10,000 images holds a window of them, not all
+(a LLaVA-1.5 image is 1.4 MB of pixels, a Qwen2-VL photo tens of MB). The front encodes a
+loaded item's chat (template, tokens) on the engine's thread and adds its requests.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+
+from .chat import ChatEncoder
+from .req import Req
+from .sampling_params import SamplingParams
+
+SLICE = 8  # items loaded together (their distinct URLs read at once)
+MAX_LOADING = 2  # slices in flight: the budget may be passed by at most these
+WAIT_S = 0.05  # how long a step with nothing else to do waits for a slice
+
+
+@dataclass(slots=True)
+class Pending:
+    """A chat item waiting for its images (what Front.add needs to fan it out later)."""
+    tag: object
+    group: int  # the add() call it came with (its rids' prefix)
+    index: int
+    chat: list
+    params: SamplingParams
+    seed: int  # the job seed
+    sink: Callable | None
+
+
+class ImageIntake:
+    def __init__(self, chats: ChatEncoder, max_tokens: int, budget: int, threads: int = 2):
+        self.chats = chats
+        self.max_tokens = max_tokens  # the context: a chat whose images pass it is not decoded
+        self.budget = budget  # bytes of preprocessed images that live requests may hold
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="images")
+        self.queue: deque[Pending] = deque()
+        self.loading: list[tuple[Future, list[Pending]]] = []
+        self.live: list[Req] = []  # requests holding preprocessed images
+
+    def __len__(self) -> int:
+        """Items not yet handed back by ready()."""
+        return len(self.queue) + sum(len(items) for _, items in self.loading)
+
+    def put(self, items: list[Pending]) -> None:
+        self.queue.extend(items)
+
+    def hold(self, reqs: list[Req]) -> None:
+        """Count these requests' images against the budget until they finish."""
+        self.live.extend(r for r in reqs if r.images)
+
+    def held(self) -> int:
+        """Bytes of the distinct images that unfinished requests hold."""
+        self.live = [r for r in self.live if not r.finished]
+        images = {id(s.image): s.image.pixels for r in self.live for s in r.images}
+        return sum(p.numel() * p.element_size() for p in images.values())
+
+    def ready(self, block: bool) -> list[tuple[list[Pending], dict | Exception]]:
+        """The slices whose images are loaded, each with its images (url -> Image or
+        ImageError; an exception if loading failed); starts loading more while the budget
+        allows. With `block` (nothing else
+        to do), waits a little for a slice in flight."""
+        if self.queue and len(self.loading) < MAX_LOADING:
+            held = self.held()
+            while self.queue and len(self.loading) < MAX_LOADING and (held < self.budget or not
+                                                                      (self.live or self.loading)):
+                items = [self.queue.popleft() for _ in range(min(SLICE, len(self.queue)))]
+                chats = [p.chat for p in items]
+                self.loading.append((self.pool.submit(self.chats.load, chats, self.max_tokens), items))
+        if block and self.loading and not any(f.done() for f, _ in self.loading):
+            wait([f for f, _ in self.loading], timeout=WAIT_S, return_when=FIRST_COMPLETED)
+        done = [(f, items) for f, items in self.loading if f.done()]
+        self.loading = [x for x in self.loading if not x[0].done()]
+        return [(items, _result(f)) for f, items in done]
+
+    def drop(self, tag: object) -> list[Pending]:
+        """Forget tag's items (an abort); a slice in flight is still loaded, its other
+        items kept."""
+        gone = [p for p in self.queue if p.tag == tag]
+        self.queue = deque(p for p in self.queue if p.tag != tag)
+        for k, (f, items) in enumerate(self.loading):
+            gone += [p for p in items if p.tag == tag]
+            self.loading[k] = (f, [p for p in items if p.tag != tag])
+        return gone
+
+
+def _result(f: Future) -> dict | Exception:
+    """The slice's images, or what made loading them fail (its items fail with it)."""
+    try:
+        return f.result()
+    except Exception as e:
+        return e
