@@ -46,7 +46,7 @@ from worker.engine.kernels.decode_attention import decode_attention, decode_atte
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
-from worker.engine.models.tiny import build_tiny_model  # noqa: E402
+from worker.engine.models.tiny import build_tiny_model, build_tiny_qwen2_vl  # noqa: E402
 
 # HBM peak by device name, bytes/s (SXM parts); --peak-tbs overrides.
 NOMINAL_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -343,6 +343,56 @@ def throughput(engine, hf, cfg, vocab, dev):
                 ours_tok_s=out / t_ours, hf_tok_s=out / t_hf, ratio=t_hf / t_ours)
 
 
+# -- images --------------------------------------------------------------------------------
+
+def vision_check(dev, model_dir) -> dict:
+    """A tiny Qwen2-VL on the device in fp32 (its vision tower, M-RoPE's three position rows,
+    prefill chunks that cut images through the extend kernel, graphs for decode): greedy
+    tokens of chats with 0 to 3 images equal transformers' on the same weights and inputs."""
+    import base64
+    import io
+
+    from PIL import Image as PILImage
+    from transformers import Qwen2VLForConditionalGeneration
+
+    path = build_tiny_qwen2_vl(model_dir)
+    engine = Engine(path, device=dev.type, dtype="fp32", max_prefill_tokens=16, kv_memory_fraction=0.1)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+    mc = engine.runner.config
+    g = torch.Generator().manual_seed(0)
+
+    def url(w, h):
+        buf = io.BytesIO()
+        pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+        PILImage.fromarray(pixels).save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    urls = [url(w, h) for w, h in ((40, 28), (28, 61), (100, 75))]
+    chats = [[{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls[:k]),
+                                           {"type": "text", "text": f"{k} images"}]}] for k in range(4)]
+    new = 8
+    sp = SamplingParams(max_new_tokens=new, min_new_tokens=new, temperature=0)
+    out = engine.generate(messages=chats, sampling_params=sp)
+    exact = 0
+    for chat, item in zip(chats, out):
+        ids, spans = engine.front.chats.encode(chat)
+        # transformers' inputs from ours: image positions hold its image token, not our pad ids.
+        x = torch.tensor([[mc.vision.image_token_id if t >= mc.vocab_size else t for t in ids]], device=dev)
+        kw = {}
+        if spans:
+            m = mc.vision.merge_size
+            kw = dict(pixel_values=torch.cat([s.image.pixels for s in spans]).to(dev),
+                      image_grid_thw=torch.tensor([[t, h * m, w * m] for t, h, w in (s.image.grid for s in spans)],
+                                                  device=dev),
+                      mm_token_type_ids=(x == mc.vision.image_token_id).int())
+        with torch.no_grad():
+            ref = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
+        exact += ref[0, x.shape[1]:].tolist() == item.samples[0].token_ids
+    engine.check()
+    return dict(chats=len(chats), images=[len(c[0]["content"]) - 1 for c in chats], exact=exact)
+
+
 # -- report --------------------------------------------------------------------------------
 
 def targets(res):
@@ -363,8 +413,9 @@ PAIRS = ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf")
 
 
 def correct(res) -> bool:
-    k, g = res.get("kernels"), res.get("greedy")
-    return bool(k and all(r["ok"] for r in k) and g and all(g[p]["mismatch"] == 0 for p in PAIRS))
+    k, g, v = res.get("kernels"), res.get("greedy"), res.get("vision")
+    return bool(k and all(r["ok"] for r in k) and g and all(g[p]["mismatch"] == 0 for p in PAIRS)
+                and v and v["exact"] == v["chats"])
 
 
 def table(res) -> str:
@@ -386,6 +437,10 @@ def table(res) -> str:
                 f"{c['near_tie']} near-tie, {c['mismatch']} mismatch | no mismatch |")
         row(f"| teacher-forced logits vs transformers | max err {g['logits_rel_err']:.3f} std "
             f"(transformers vs itself, cached: {g['hf_self_noise']:.3f}) | - |")
+    if "vision" in res:
+        v = res["vision"]
+        row(f"| Qwen2-VL greedy vs transformers, fp32 (chats with {v['images']} images) | "
+            f"{v['exact']}/{v['chats']} exact | all |")
     if t.get("graph_speedup_bs1", {}).get("value"):
         row(f"| decode step speed-up from graphs, batch 1 | {t['graph_speedup_bs1']['value']:.2f}x | >= 2x |")
     if t.get("large_batch_bw_frac", {}).get("value"):
@@ -483,6 +538,7 @@ def main(argv=None) -> int:
         if "env" in res:
             section("decode_steps", lambda: decode_steps(engine, cfg, res["env"], dev))
         section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
+    section("vision", lambda: vision_check(dev, model_dir + "-vl"))
     res["targets"] = targets(res)
     res["correct"] = correct(res)
     res["seconds"] = time.perf_counter() - t0

@@ -37,6 +37,7 @@ def test_gpu_script_dry_run(tmp_path):
     assert tp["out_tokens"] > 0 and tp["ours_tok_s"] > 0 and tp["hf_tok_s"] > 0
     assert res["startup"]["graph_sizes"][0] == 1 and not res["startup"]["captured"]
     assert set(res["targets"]) == {"graph_speedup_bs1", "large_batch_bw_frac", "throughput_vs_hf"}
+    assert res["vision"] == {"chats": 4, "images": [0, 1, 2, 3], "exact": 4}
     table = (out / "gpu.md").read_text()
     assert "dry run" in table and "| batch | context |" in table
 
