@@ -365,3 +365,5 @@ def test_text_only_parts_are_one_string(tmp_path):
     chats = ChatEncoder(load_tokenizer(build_tiny_model(str(tmp_path / "llama"))), None)
     parts = [{"role": "user", "content": [{"type": "text", "text": "red "}, {"type": "text", "text": "fox"}]}]
     assert chats.encode(parts) == chats.encode([{"role": "user", "content": "red fox"}])
+    with pytest.raises(ValueError, match="message 0: a text part needs a text string"):
+        chats.encode([{"role": "user", "content": [{"type": "text", "text": 5}]}])

@@ -141,7 +141,9 @@ def _parse(chat: list[dict]) -> tuple[list[dict], list[str]]:
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text":
-                    parts.append({"type": "text", "text": part.get("text", "")})
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"message {i}: a text part needs a text string")
+                    parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image_url":
                     url = part.get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url

@@ -105,7 +105,8 @@ class Front:
 
     def _encode_chat(self, index: int, chat: list, images: dict | Exception | None = None) -> tuple:
         if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
-            return [], [], f"messages[{index}]: its images could not be loaded ({step_error(images)})"
+            why = f"{type(images).__name__}: {images}"
+            return [], [], f"messages[{index}]: its images could not be loaded ({why})"
         try:
             return (*self.chats.encode(chat, images), None)
         except ValueError as e:
