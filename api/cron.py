@@ -9,12 +9,16 @@
 
 Each entry has a `name`, a `cron` expression (local time) or an `interval` in seconds, and
 either `job` (a POST /v1/jobs body) or `file` (a JSONL batch file, read again at every run,
-relative to the config). rq's CronScheduler does the timing, heartbeats and bookkeeping
-(`rq cron` monitoring sees it); each run is submitted like a POST, JSON payload and all.
+relative to the config); optionally a `tenant` (an API key's id, `fanout keys list`) whose
+job each run is: that key sees it, and its rights and limits apply. rq's CronScheduler does
+the timing, heartbeats and bookkeeping (`rq cron` monitoring sees it); each run is submitted
+like a POST, JSON payload and all. A run that cannot be submitted (the file became invalid,
+the key was revoked or is over a limit) is logged and skipped; the next runs go on.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -26,11 +30,15 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from starlette.exceptions import HTTPException
+
 from worker.settings import Settings
 from worker.spec import JOB_FUNC, QUEUES
 
-from . import batchfile, jobs
+from . import batchfile, jobs, tenants
 from .schemas import JobRequest
+
+log = logging.getLogger("fanout.cron")
 
 
 class SubmitJob(CronJob):
@@ -50,8 +58,22 @@ class SubmitJob(CronJob):
         return JobRequest.model_validate(batchfile.job_body(
             path, e.get("sampling_params"), priority=e.get("priority", "normal")))
 
-    def enqueue(self, connection) -> Job:
-        created = jobs.submit(connection, self.request(), self.settings)
+    def tenant(self, connection) -> tenants.Tenant | None:
+        """The entry's tenant, looked up afresh (ValueError: unknown or revoked)."""
+        tenant_id = self.entry.get("tenant")
+        if tenant_id is None:
+            return None
+        tenant = tenants.by_id(connection, tenant_id)
+        if tenant.revoked:
+            raise ValueError(f"the API key {tenant_id!r} is revoked")
+        return tenant
+
+    def enqueue(self, connection) -> Job | None:
+        try:
+            created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection))
+        except (ValidationError, ValueError, OSError, tenants.OverLimit, HTTPException) as e:
+            log.error("cron job %s: this run is skipped: %s", self.name, getattr(e, "detail", e))
+            return None
         with connection.pipeline() as pipe:
             pipe.zadd(self.job_history_key, {created["id"]: time.time()})
             pipe.zremrangebyrank(self.job_history_key, 0, -(DEFAULT_CRON_JOB_HISTORY_LIMIT + 1))
@@ -83,21 +105,28 @@ def load(path: str, connection, settings: Settings) -> Scheduler:
         if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e["name"]:
             raise ValueError(f"{where}.name: a non-empty string is required")
         where += f" ({e['name']})"
-        unknown = set(e) - {"name", "cron", "interval", "job", "file", "sampling_params", "priority"}
+        unknown = set(e) - {"name", "cron", "interval", "job", "file", "sampling_params", "priority", "tenant"}
         if unknown:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         if ("job" in e) == ("file" in e):
             raise ValueError(f"{where}: give exactly one of job, file")
         if e.get("priority", "normal") not in QUEUES:
             raise ValueError(f"{where}.priority: one of {sorted(QUEUES)}")
+        if "tenant" in e and not isinstance(e["tenant"], str):
+            raise ValueError(f"{where}.tenant: an API key id (a string; fanout keys list)")
         try:
-            scheduler.add(SubmitJob(e["name"], e, os.path.dirname(os.path.abspath(path)), settings))
+            job = SubmitJob(e["name"], e, os.path.dirname(os.path.abspath(path)), settings)
         except ValidationError as err:
             first = err.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
             raise ValueError(f"{where}: {loc}: {first['msg']}") from None
         except (ValueError, OSError) as err:
             raise ValueError(f"{where}: {err}") from None
+        try:
+            job.tenant(connection)
+        except ValueError as err:
+            raise ValueError(f"{where}.tenant: {err}") from None
+        scheduler.add(job)
     return scheduler
 
 

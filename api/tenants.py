@@ -88,16 +88,21 @@ def all_tenants(redis) -> list[Tenant]:
     return sorted((Tenant(**json.loads(r)) for r in records if r), key=lambda t: t.created_at)
 
 
-def revoke(redis, tenant_id: str) -> Tenant:
-    """Revoke a key for good (its record stays, for `fanout keys list`); raises ValueError
-    for an unknown id."""
+def by_id(redis, tenant_id: str) -> Tenant:
+    """The tenant of a key id (`fanout keys list`), revoked or not; ValueError if unknown."""
     d = redis.hget(keys.api_keys(), tenant_id)
     raw = redis.get(keys.api_key(d.decode())) if d else None
     if raw is None:
-        raise ValueError(f"no API key with id {tenant_id}")
-    tenant = Tenant(**json.loads(raw))
+        raise ValueError(f"no API key with id {tenant_id!r} (fanout keys list shows them)")
+    return Tenant(**json.loads(raw))
+
+
+def revoke(redis, tenant_id: str) -> Tenant:
+    """Revoke a key for good (its record stays, for `fanout keys list`); raises ValueError
+    for an unknown id."""
+    tenant = by_id(redis, tenant_id)
     tenant.revoked = True
-    redis.set(keys.api_key(d.decode()), json.dumps(asdict(tenant)))
+    redis.set(keys.api_key(redis.hget(keys.api_keys(), tenant_id).decode()), json.dumps(asdict(tenant)))
     return tenant
 
 

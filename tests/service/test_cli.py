@@ -92,6 +92,58 @@ def test_cron_config_submits_jobs_through_rq_cron(tmp_path, redis, redis_url, wo
         cron.load(str(bad), redis, Settings(redis_url=redis_url))
 
 
+def test_cron_jobs_run_as_a_tenant_within_its_limits(tmp_path, caplog):
+    """Its own Redis and API (keys on there): an entry's `tenant` owns each run's job (that
+    key sees it, another does not); a run over the key's limits, or after the key is revoked,
+    is skipped and logged, and the scheduler goes on; an unknown key fails the load."""
+    import httpx
+    from api import tenants
+    from conftest import start_api
+
+    server = EmbeddedRedis()
+    conn = redis_lib.Redis.from_url(server.url)
+    api = None
+    try:
+        owner_key, owner = tenants.create(conn, "nightly-team", {"items_per_job": 2})
+        other_key, _ = tenants.create(conn, "someone-else", {})
+        config = tmp_path / "cron.json"
+        config.write_text(json.dumps({"jobs": [
+            {"name": "ok", "interval": 3600, "tenant": owner.id,
+             "job": {"prompts": ["a", "b"], "run_at": "2099-01-01T00:00:00Z"}},
+            {"name": "too-big", "interval": 3600, "tenant": owner.id, "job": {"prompts": ["a", "b", "c"]}},
+        ]}))
+        settings = Settings(redis_url=server.url)
+        scheduler = cron.load(str(config), conn, settings)
+        with caplog.at_level("ERROR", logger="fanout.cron"):
+            due = scheduler.enqueue_jobs()
+        assert [j.name for j in due] == ["ok", "too-big"]  # both ran; one was skipped
+        assert "cron job too-big: this run is skipped" in caplog.text and "items_per_job" in caplog.text
+        assert due[1].get_job_ids(conn) == []
+        job_id = due[0].get_job_ids(conn)[0]
+        api, url = start_api(server.url, tmp_path, "api-cron")
+        mine = httpx.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {owner_key}"})
+        assert mine.status_code == 200 and mine.json()["status"] == "scheduled", mine.text
+        listed = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {owner_key}"}).json()
+        assert [j["id"] for j in listed["data"]] == [job_id]
+        assert httpx.get(f"{url}/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {other_key}"}).status_code == 404
+
+        tenants.revoke(conn, owner.id)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="fanout.cron"):
+            scheduler.get_jobs()[0].enqueue(conn)
+        assert f"the API key '{owner.id}' is revoked" in caplog.text
+        assert due[0].get_job_ids(conn) == [job_id]  # no new run
+
+        config.write_text(json.dumps({"jobs": [{"name": "z", "interval": 60, "tenant": "nope", "job": {"prompts": ["a"]}}]}))
+        with pytest.raises(ValueError, match=r"jobs\[0\] \(z\)\.tenant: no API key with id 'nope'"):
+            cron.load(str(config), conn, settings)
+    finally:
+        if api is not None:
+            api.stop()
+        conn.close()
+        server.stop()
+
+
 def test_every_command_has_help_for_each_flag_its_defaults_and_an_example(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping: defaults stay in one piece
     ap = parser()
