@@ -93,7 +93,7 @@ def by_id(redis, tenant_id: str) -> Tenant:
     d = redis.hget(keys.api_keys(), tenant_id)
     raw = redis.get(keys.api_key(d.decode())) if d else None
     if raw is None:
-        raise ValueError(f"no API key with id {tenant_id!r} (fanout keys list shows them)")
+        raise ValueError(f"no API key with id {tenant_id}")
     return Tenant(**json.loads(raw))
 
 
