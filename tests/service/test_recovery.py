@@ -152,7 +152,9 @@ def test_a_live_workers_jobs_are_never_reaped(service):
         if not (w.proc and w.proc.alive()):
             w.start()
     with Client(service["api"]) as client:
-        job = client.submit(prompts=PROMPTS[:8], sampling_params={**LONG, "max_new_tokens": 1000, "n": 8})["id"]
+        # 192 samples of 1000 tokens: about three KV pools' worth, so the job outlives the wait
+        # below on any machine (64 samples once finished within it on a quiet one).
+        job = client.submit(prompts=PROMPTS, sampling_params={**LONG, "max_new_tokens": 1000, "n": 8})["id"]
         it = reader.follow(r, job, timeout=60)
         next(e for _, e in it if e["type"] == "delta")
         time.sleep(2 * LIVE_TTL + 1)
