@@ -3,8 +3,6 @@ key once keys exist; /healthz and the docs stay open. The tenant is `request.sta
 (None in open mode, where every client sees every job)."""
 from __future__ import annotations
 
-import time
-
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -37,15 +35,28 @@ def authenticate(request: Request, credentials: HTTPAuthorizationCredentials | N
     request.state.tenant = tenant
 
 
+# GCRA (a token bucket kept as one timestamp): each request moves the tenant's "due" time
+# 1/limit s on; one is refused while that would put it more than 1 s ahead of now. So a key
+# gets `limit` requests at once, then `limit` a second, whatever the clock's second
+# boundaries (a fixed window let twice the limit through across one). Redis's clock, so every
+# API process agrees; returns 0 (pass) or the milliseconds until a request would pass.
+RATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local due = math.max(tonumber(redis.call('GET', KEYS[1]) or now), now)
+local next_due = due + tonumber(ARGV[1])
+if next_due - now > 1000 then
+  return math.ceil(next_due - now - 1000)
+end
+redis.call('SET', KEYS[1], tostring(next_due), 'PX', math.ceil(next_due - now))
+return 0
+"""
+
+
 def _count_request(redis, tenant: tenants.Tenant) -> None:
-    """A fixed one-second window per tenant: simple, and at most twice the rate across a boundary."""
-    key = keys.requests(tenant.id, int(time.time()))
-    with redis.pipeline() as pipe:
-        pipe.incr(key)
-        pipe.expire(key, 2)
-        count, _ = pipe.execute()
     limit = tenant.limits["requests_per_second"]
-    if count > limit:
+    wait_ms = redis.eval(RATE, 1, keys.rate(tenant.id), 1000 / limit)
+    if wait_ms:
         raise tenants.OverLimit("requests_per_second",
                                 f"over this API key's limit of {limit} requests per second (requests_per_second)",
-                                retry_after=1)  # the next window opens within a second
+                                retry_after=max(1, -(-wait_ms // 1000)))

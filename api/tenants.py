@@ -24,7 +24,7 @@ LIMITS = {
     "items_per_job": "items in one job",
     "tokens_per_job": "tokens one job may generate: the sum over items of n x max_new_tokens",
     "jobs_in_flight": "jobs queued, scheduled or running at once",
-    "requests_per_second": "API requests in one second (every route)",
+    "requests_per_second": "API requests a second, every route (as many at once, then that rate)",
 }
 
 

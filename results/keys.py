@@ -103,9 +103,9 @@ def inflight(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:inflight"
 
 
-def requests(tenant: str, second: int) -> str:
-    """The tenant's requests in one second (a fixed-window rate counter)."""
-    return f"{PREFIX}:tenant:{tenant}:requests:{second}"
+def rate(tenant: str) -> str:
+    """The tenant's request rate limiter: when its next request is due (api.auth)."""
+    return f"{PREFIX}:tenant:{tenant}:rate"
 
 
 def all_for(job_id: str) -> list[str]:

@@ -205,3 +205,19 @@ def test_requests_per_second_answers_429(service):
         assert sum(over(r, "requests_per_second") for r in answers) >= 6
         time.sleep(1.1)
         assert c.get(f"/v1/jobs/{'0' * 32}").status_code == 404
+
+
+def test_requests_per_second_allows_no_double_burst_across_a_second(service):
+    """A burst of the limit just before a second's boundary and another just after: a fixed
+    window would pass both; the rate passes the first and only what the time between earns."""
+    key, _ = service.key(name="bursty", limits={"requests_per_second": 5})
+    with http(service.url, key) as c:
+        time.sleep(1.85 - time.time() % 1)  # 0.85 s into a second (the API's and this clock)
+        t0 = time.monotonic()
+        first = [c.get(f"/v1/jobs/{'0' * 32}").status_code for _ in range(5)]
+        time.sleep(max(0.0, 1.05 - time.time() % 1) if time.time() % 1 > 0.5 else 0.05)  # past it
+        second = [c.get(f"/v1/jobs/{'0' * 32}").status_code for _ in range(5)]
+        elapsed = time.monotonic() - t0
+    assert first == [404] * 5
+    assert second.count(404) <= 1 + int(elapsed * 5), (second, elapsed)
+    assert second.count(429) >= 2, second
