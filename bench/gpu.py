@@ -46,6 +46,7 @@ from worker.engine.kernels.decode_attention import decode_attention, decode_atte
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
+from worker.engine.models.qwen2_vl import repeat_frames  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model, build_tiny_qwen2_vl  # noqa: E402
 
 # HBM peak by device name, bytes/s (SXM parts); --peak-tbs overrides.
@@ -381,7 +382,8 @@ def vision_check(dev, model_dir) -> dict:
         kw = {}
         if spans:
             m = mc.vision.merge_size
-            kw = dict(pixel_values=torch.cat([s.image.pixels for s in spans]).to(dev),
+            px = repeat_frames(torch.cat([s.image.pixels for s in spans]), mc.vision.temporal_patch_size)
+            kw = dict(pixel_values=px.to(dev),
                       image_grid_thw=torch.tensor([[t, h * m, w * m] for t, h, w in (s.image.grid for s in spans)],
                                                   device=dev),
                       mm_token_type_ids=(x == mc.vision.image_token_id).int())

@@ -7,7 +7,8 @@ only, equal to transformers' own (tests/test_multimodal.py, tests/test_qwen2_vl.
 - CLIP (LLaVA): resize the shortest edge, center crop, rescale, normalize: one [3, H, W].
 - Qwen2-VL: resize both sides to multiples of patch * merge with the area within
   [min_pixels, max_pixels], rescale, normalize, then cut into patches, each repeated over
-  `temporal_patch_size` frames, the merge x merge patches of one token next to each other.
+  `temporal_patch_size` frames (kept once here: the model's patch embedding repeats it),
+  the merge x merge patches of one token next to each other.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ PAD_BITS = 48  # pad ids: vocab_size + a 48-bit content hash, so never a real to
 @dataclass(frozen=True, slots=True, eq=False)
 class Image:
     """One preprocessed image of a prompt."""
-    # Float32, normalized: CLIP's [3, H, W]; Qwen2-VL's [patches, 3 * frames * patch**2].
+    # Float32, normalized: CLIP's [3, H, W]; Qwen2-VL's [patches, 3 * patch**2], one frame.
     pixels: torch.Tensor
     pad: int  # the id its tokens have in the prompt: vocab_size + hash of its content
     tokens: int  # how many prompt tokens it becomes
@@ -145,7 +146,6 @@ class ClipProcessor:
 class Qwen2VLProcessor:
     patch: int
     merge: int  # merge x merge patches make one token
-    frames: int  # temporal_patch_size: an image is repeated over this many frames
     min_pixels: int
     max_pixels: int
     norm: Normalize
@@ -163,7 +163,7 @@ class Qwen2VLProcessor:
             raise ValueError(f"{path}: patch_size, merge_size, temporal_patch_size {sizes} "
                              "differ from the model's vision_config")
         # Top-level min/max_pixels override `size`, as in transformers.
-        return cls(*sizes, raw.get("min_pixels", size.get("shortest_edge", 56 * 56)),
+        return cls(*sizes[:2], raw.get("min_pixels", size.get("shortest_edge", 56 * 56)),
                    raw.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280)),
                    Normalize.from_dict(raw))
 
@@ -188,12 +188,12 @@ class Qwen2VLProcessor:
         return (w // (self.patch * self.merge)) * (h // (self.patch * self.merge))
 
     def __call__(self, img) -> tuple[torch.Tensor, int, tuple[int, int, int]]:
-        """An RGB PIL image -> (patches [tokens * merge**2, 3 * frames * p * p], tokens, grid)."""
+        """An RGB PIL image -> (patches [tokens * merge**2, 3 * p * p]: transformers' with its
+        `frames` identical frames kept once, tokens, grid)."""
         w, h = self.size(*img.size)
         p, m = self.patch, self.merge
         gh, gw = h // (p * m), w // (p * m)  # the token grid
         x = self.norm(img, (w, h)).view(3, gh, m, p, gw, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-        x = x[:, :, :, :, :, None].expand(gh, gw, m, m, 3, self.frames, p, p)  # frames: copies
         return x.reshape(gh * gw * m * m, -1), gh * gw, (1, gh, gw)
 
 

@@ -4,8 +4,9 @@ Their images are read (files, downloads: image_urls.py), decoded and preprocesse
 (images.py) on threads of their own, a few items at a time, so the steps of the requests
 already in the engine go on meanwhile. And only while the preprocessed images that live
 requests hold stay under a budget: a job of 10,000 images holds a window of them, not all
-(a LLaVA-1.5 image is 1.4 MB of pixels, a Qwen2-VL photo tens of MB). The front encodes a
-loaded item's chat (template, tokens) on the engine's thread and adds its requests.
+(a LLaVA-1.5 image is 1.4 MB of pixels, a 1-megapixel photo about 12 MB for Qwen2-VL). The
+front encodes a loaded item's chat (template, tokens) on the engine's thread and adds its
+requests.
 """
 from __future__ import annotations
 

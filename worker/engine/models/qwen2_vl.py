@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from .config import ModelConfig, Qwen2VLVisionConfig
 
 
+def repeat_frames(patches: torch.Tensor, frames: int) -> torch.Tensor:
+    """Qwen2-VL patches [N, 3 * p * p] kept once -> [N, 3 * frames * p * p], each repeated over
+    the frames, as transformers' pixel_values hold them (and the patch embedding takes them)."""
+    n = patches.shape[0]
+    return patches.view(n, 3, 1, -1).expand(n, 3, frames, -1).reshape(n, -1)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, v: Qwen2VLVisionConfig):
         super().__init__()
@@ -33,10 +40,12 @@ class PatchEmbed(nn.Module):
                               bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C * frames * p * p] -> [N, embed_dim]."""
-        # One kernel per patch: a matmul on the flattened patch would do, but the convolution
-        # rounds as transformers' does (a matmul differs in the last bits, which the LM grows).
-        return self.proj(x.view(-1, *self.kernel)).flatten(1)
+        """x [N, C * p * p], an image's patches (one frame) -> [N, embed_dim]."""
+        # An image is its frames' one picture repeated (as transformers feeds it), so it is kept
+        # once (images.py) and repeated here. One kernel per patch: a matmul on the flattened
+        # patch would do, but the convolution rounds as transformers' does (a matmul differs in
+        # the last bits, which the LM grows).
+        return self.proj(repeat_frames(x, self.kernel[1]).view(-1, *self.kernel)).flatten(1)
 
 
 class VisionAttention(nn.Module):
