@@ -71,7 +71,7 @@ class SubmitJob(CronJob):
     def enqueue(self, connection) -> Job | None:
         try:
             created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection))
-        except (ValidationError, ValueError, OSError, tenants.OverLimit, HTTPException) as e:
+        except (ValueError, OSError, tenants.OverLimit, HTTPException) as e:  # pydantic's errors too
             log.error("cron job %s: this run is skipped: %s", self.name, getattr(e, "detail", e))
             return None
         with connection.pipeline() as pipe:

@@ -22,8 +22,7 @@ from ..schemas import JobRequest
 from ..submit import settle
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
-from .schemas import (ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, 
-                      sampling_params)
+from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
 
 router = APIRouter()
 

@@ -12,10 +12,12 @@ import json
 import time
 
 import pytest
+import redis as redis_lib
 import torch
 from PIL import Image as PILImage
 
 from results import keys, reader
+from results.client import Client
 from worker.engine import Engine, SamplingParams
 from worker.engine.models.tiny import build_tiny_llava
 from worker.redis_server import EmbeddedRedis
@@ -41,6 +43,22 @@ def data_url(w=30, h=28, seed=0, fmt="PNG"):
 def chat(url, text="what is it"):
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": text}]}]
+
+
+def follow(redis_url, job_id):
+    """Wait for the job's stream to end."""
+    conn = redis_lib.Redis.from_url(redis_url)
+    try:
+        list(reader.follow(conn, job_id, timeout=60))
+    finally:
+        conn.close()
+
+
+def slow_url(image_server, name, seed):
+    """A URL whose image (a new one, not served yet) comes 6 s after it is asked for."""
+    image_server.files[name] = image(seed=seed)
+    image_server.served_at.pop(name, None)
+    return f"{image_server.url}/sleep/6/{name}"
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +88,12 @@ def llava_engine(llava):
 
 
 def test_native_chat_with_an_image_and_a_bad_one(vision_service, llava_engine):
-    from results.client import Client
-    import redis as redis_lib
     url, redis_url = vision_service
     good = chat(data_url(seed=1))
     bad = chat("data:image/png;base64,bm90IGFuIGltYWdl")  # valid base64, not an image
     with Client(url) as c:
         job = c.submit(messages=[good, bad], sampling_params=SP, seed=7)
-        conn = redis_lib.Redis.from_url(redis_url)
-        list(reader.follow(conn, job["id"], timeout=60))
-        conn.close()
+        follow(redis_url, job["id"])
         info = c.status(job["id"])
         items = c.results(job["id"])
     assert info["status"] == "succeeded" and info["progress"]["failed"] == 1, info
@@ -151,7 +165,6 @@ def run_batch(oai, lines, timeout=60):
 
 
 def test_openai_batch_lines_with_images(vision_service, llava_engine, oai):
-    from results.client import Client
     chats = {"png": chat(data_url(seed=3), "what is it"),
              "jpeg": chat(data_url(w=44, h=31, seed=4, fmt="JPEG"), "and this"),
              "webp": chat(data_url(w=29, h=50, seed=5, fmt="WEBP"), "describe")}
@@ -191,7 +204,6 @@ def sse_text(events, index=0):
 
 
 def test_streams_with_images_equal_the_whole_answer(vision_service, llava_engine, oai):
-    from results.client import Client
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     chats = [chat(data_url(w=36, h=30, seed=6), "tell me"), chat(data_url(seed=7, fmt="JPEG"), "more")]
     refs = llava_engine.generate(messages=chats, sampling_params=SamplingParams(**sp))
@@ -225,7 +237,6 @@ def test_a_text_model_refuses_image_parts_by_name(api_url, worker):
     of the line (the batch fails whole at creation, as for every line that does not fit the
     batch: OpenAI's validating stage); a native job's image item fails alone in the worker."""
     from openai import BadRequestError, OpenAI
-    from results.client import Client
     image = chat(data_url(seed=8))
     with OpenAI(base_url=api_url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
         with pytest.raises(BadRequestError) as e:
@@ -267,7 +278,6 @@ def test_fanout_generate_offline_takes_images(llava, llava_engine, tmp_path):
 # -- image URLs other than data URLs ---------------------------------------------------------
 
 def test_the_worker_announces_the_schemes_it_takes(vision_service):
-    import redis as redis_lib
     conn = redis_lib.Redis.from_url(vision_service[1])
     entry = json.loads(conn.hget(keys.models(), "tiny-llava"))
     conn.close()
@@ -275,8 +285,6 @@ def test_the_worker_announces_the_schemes_it_takes(vision_service):
 
 
 def test_downloaded_images_equal_data_urls_and_a_bad_url_fails_alone(vision_service, llava_engine, image_server, oai):
-    from results.client import Client
-    import redis as redis_lib
     url, redis_url = vision_service
     image_server.files["seed3.png"] = image(seed=3)
     ref = llava_engine.generate(messages=[chat(data_url(seed=3))], sampling_params=SamplingParams(**SP),
@@ -285,9 +293,7 @@ def test_downloaded_images_equal_data_urls_and_a_bad_url_fails_alone(vision_serv
         job = c.submit(messages=[chat(data_url(seed=3)), chat(image_server.url + "/f/seed3.png"),
                                  chat(image_server.url + "/missing.png"), chat("file:///etc/hostname")],
                        sampling_params=SP, seed=7)
-        conn = redis_lib.Redis.from_url(redis_url)
-        list(reader.follow(conn, job["id"], timeout=60))
-        conn.close()
+        follow(redis_url, job["id"])
         info, items = c.status(job["id"]), c.results(job["id"])
     assert info["status"] == "succeeded" and info["progress"]["failed"] == 2, info
     for item in items[:2]:
@@ -303,20 +309,14 @@ def test_downloaded_images_equal_data_urls_and_a_bad_url_fails_alone(vision_serv
 
 
 def test_a_slow_download_holds_up_only_its_own_job(vision_service, image_server):
-    from results.client import Client
-    import redis as redis_lib
     url, redis_url = vision_service
-    image_server.files["slow.png"] = image(seed=4)
-    image_server.served_at.pop("slow.png", None)
     with Client(url) as c:
-        slow = c.submit(messages=[chat(image_server.url + "/sleep/6/slow.png")], sampling_params=SP, seed=7)
+        slow = c.submit(messages=[chat(slow_url(image_server, "slow.png", 4))], sampling_params=SP, seed=7)
         time.sleep(0.5)  # the worker has taken the slow job and is downloading its image
         quick = c.submit(messages=[[{"role": "user", "content": "hello"}]], sampling_params=SP, seed=7)
-        conn = redis_lib.Redis.from_url(redis_url)
-        list(reader.follow(conn, quick["id"], timeout=60))
+        follow(redis_url, quick["id"])
         quick_done = time.monotonic()
-        list(reader.follow(conn, slow["id"], timeout=60))
-        conn.close()
+        follow(redis_url, slow["id"])
         assert c.status(quick["id"])["status"] == "succeeded"
         assert c.status(slow["id"])["status"] == "succeeded"
     # The text job ran while the image was still downloading.
@@ -324,17 +324,11 @@ def test_a_slow_download_holds_up_only_its_own_job(vision_service, image_server)
 
 
 def test_a_job_canceled_while_its_image_downloads_ends_at_once(vision_service, image_server):
-    from results.client import Client
-    import redis as redis_lib
     url, redis_url = vision_service
-    image_server.files["slow2.png"] = image(seed=5)
-    image_server.served_at.pop("slow2.png", None)
     with Client(url) as c:
-        job = c.submit(messages=[chat(image_server.url + "/sleep/6/slow2.png")], sampling_params=SP, seed=7)
+        job = c.submit(messages=[chat(slow_url(image_server, "slow2.png", 5))], sampling_params=SP, seed=7)
         time.sleep(0.5)  # the worker is downloading its image
         c.cancel(job["id"])
-        conn = redis_lib.Redis.from_url(redis_url)
-        list(reader.follow(conn, job["id"], timeout=60))
-        conn.close()
+        follow(redis_url, job["id"])
         assert c.status(job["id"])["status"] == "canceled"
     assert "slow2.png" not in image_server.served_at, "the job ended only once its image came"

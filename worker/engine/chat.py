@@ -3,8 +3,9 @@
 A message's content is a string or a list of parts: {"type": "text", "text": ...} and
 {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (or a file:// or
 http(s) URL the operator allows: image_urls.py). The model's chat template renders image parts
-as {"type": "image"} (the Hugging Face convention), putting one image token each; that token is then expanded to the image's token count, every position
-holding the image's pad id (images.py), which keys the radix cache by the image's content.
+as {"type": "image"} (the Hugging Face convention), putting one image token each; that token
+is then expanded to the image's token count, every position holding the image's pad id
+(images.py), which keys the radix cache by the image's content.
 """
 from __future__ import annotations
 
@@ -63,13 +64,13 @@ class ChatEncoder:
                 pass  # encode() fails its item with the reason
         v, opened = self.vision, {}
         for url, raw in self.sources.read_all([u for urls in per_chat for u in urls]).items():
-            try:
-                if isinstance(raw, ImageError):
-                    raise raw
-                img = open_image(raw)
-                opened[url] = (img, v.processor.tokens_of(*img.size))
-            except ImageError as e:
-                opened[url] = e
+            opened[url] = raw  # an ImageError already, or its (header, tokens) below
+            if not isinstance(raw, ImageError):
+                try:
+                    img = open_image(raw)
+                    opened[url] = (img, v.processor.tokens_of(*img.size))
+                except ImageError as e:
+                    opened[url] = e
         needed, over = set(), {}
         for urls in per_chat:
             tokens = sum(opened[u][1] for u in urls if not isinstance(opened[u], ImageError))

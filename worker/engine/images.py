@@ -1,9 +1,9 @@
-"""Image inputs: an image's bytes (image_urls.py reads them) -> what the vision tower takes, how many prompt tokens the image
-becomes, and the id that keys those tokens in the radix cache.
+"""Image inputs: an image's bytes (image_urls.py reads them) -> what the vision tower takes,
+how many prompt tokens the image becomes, and the id that keys those tokens in the radix cache.
 
 Preprocessing is the model's image processor's, read from the model folder's
 preprocessor_config.json (or transformers 5's processor_config.json), with PIL and torch
-only, equal to transformers' own (tests/test_multimodal.py, tests/test_qwen2_vl.py):
+only, equal to transformers' own (tests/test_multimodal.py):
 - CLIP (LLaVA): resize the shortest edge, center crop, rescale, normalize: one [3, H, W].
 - Qwen2-VL: resize both sides to multiples of patch * merge with the area within
   [min_pixels, max_pixels], rescale, normalize, then cut into patches, each repeated over

@@ -59,15 +59,15 @@ class ImageIntake:
 
     def held(self) -> int:
         """Bytes of the distinct images that unfinished requests hold."""
-        self.live = [r for r in self.live if not r.finished]
-        images = {id(s.image): s.image.pixels for r in self.live for s in r.images}
+        images = {id(s.image): s.image.pixels for r in self.live if not r.finished for s in r.images}
         return sum(p.numel() * p.element_size() for p in images.values())
 
     def ready(self, block: bool) -> list[tuple[list[Pending], dict | Exception]]:
         """The slices whose images are loaded, each with its images (url -> Image or
         ImageError; an exception if loading failed); starts loading more while the budget
-        allows. With `block` (nothing else
-        to do), waits a little for a slice in flight."""
+        allows. With `block` (nothing else to do), waits a little for a slice in flight."""
+        # Finished requests let their images go here, not only when more items wait.
+        self.live = [r for r in self.live if not r.finished]
         if self.queue and len(self.loading) < MAX_LOADING:
             held = self.held()
             while self.queue and len(self.loading) < MAX_LOADING and (held < self.budget or not
@@ -77,8 +77,10 @@ class ImageIntake:
                 self.loading.append((self.pool.submit(self.chats.load, chats, self.max_tokens), items))
         if block and self.loading and not any(f.done() for f, _ in self.loading):
             wait([f for f, _ in self.loading], timeout=WAIT_S, return_when=FIRST_COMPLETED)
-        done = [(f, items) for f, items in self.loading if f.done()]
-        self.loading = [x for x in self.loading if not x[0].done()]
+        done, running = [], []
+        for x in self.loading:  # each future looked at once: it may finish meanwhile
+            (done if x[0].done() else running).append(x)
+        self.loading = running
         return [(items, _result(f)) for f, items in done]
 
     def drop(self, tag: object) -> list[Pending]:
