@@ -27,8 +27,6 @@ from pydantic import ValidationError
 from rq import cron_job_registry
 from rq.cron import CronJob, CronScheduler
 from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY_TTL
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from starlette.exceptions import HTTPException
 
@@ -68,7 +66,8 @@ class SubmitJob(CronJob):
             raise ValueError(f"the API key {tenant_id!r} is revoked")
         return tenant
 
-    def enqueue(self, connection) -> Job | None:
+    def enqueue(self, connection) -> dict | None:
+        """Submit one run; its JobCreated body (rq's scheduler does not use what this returns)."""
         try:
             created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection))
         except (ValueError, OSError, tenants.OverLimit, HTTPException) as e:  # pydantic's errors too
@@ -80,7 +79,7 @@ class SubmitJob(CronJob):
             pipe.expire(self.job_history_key, DEFAULT_CRON_JOB_HISTORY_TTL)
             cron_job_registry.add(self.name, pipe)
             pipe.execute()
-        return Job.fetch(created["id"], connection=connection, serializer=JSONSerializer)
+        return created
 
 
 class Scheduler(CronScheduler):

@@ -1,9 +1,11 @@
-"""Jobs in Redis: submit (rq, JSON payload), look up, cancel. Used by the API routes and
-the cron scheduler; the queue names and the payload (the job spec) are in worker.spec.
+"""Jobs in Redis: submit, look up, cancel. Used by the API routes and the cron scheduler;
+the queue names and the item layout are in worker.spec, the shards in worker.shards.
 
 Queues by priority: the worker always takes from `fanout-high` first, then `fanout`, then
-`fanout-low`. Every rq job calls `worker.consumer.fanout_job` with one JSON argument, the
-job spec; the Fanout worker runs it in its engine (rq's fork-per-job path is not used).
+`fanout-low`. A job's shards are rq jobs that call `worker.consumer.fanout_job` with the job
+id and the shard number; the Fanout worker runs them in its engine (rq's fork-per-job path
+is not used). A job's status is its own (the info hash's `state`, and the terminal status
+once closed), not any rq job's.
 """
 from __future__ import annotations
 
@@ -14,27 +16,17 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from redis.exceptions import WatchError
-from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
+from rq import Queue
 from rq.serializers import JSONSerializer
 
 from results import events, keys, progress, publisher
 
+from worker import shards
 from worker.settings import Settings
-from worker.spec import JOB_FUNC, QUEUES, JobSpec
+from worker.spec import QUEUES, JobSpec
 
 from .schemas import JobRequest
 from .tenants import OverLimit, Tenant
-
-_STATUS = {
-    JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
-    JobStatus.READY_TO_ENQUEUE: "queued", JobStatus.RATE_LIMITED: "queued",
-    JobStatus.SCHEDULED: "scheduled", JobStatus.STARTED: "running",
-    JobStatus.FINISHED: "succeeded", JobStatus.FAILED: "failed",
-    JobStatus.CANCELED: "canceled", JobStatus.STOPPED: "canceled",
-}
-
 
 class JobNotFound(KeyError):
     pass
@@ -76,15 +68,9 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
     status = "scheduled" if req.run_at else "queued"
     wait = max(0, int((req.run_at - datetime.now(timezone.utc)).total_seconds())) if req.run_at else 0
     q = queue(redis, req.priority)
-    job = q.create_job(
-        JOB_FUNC, kwargs={"spec": spec.payload()}, job_id=job_id,
-        timeout=settings.job_timeout, result_ttl=settings.result_ttl, failure_ttl=settings.result_ttl,
-        retry=Retry(max=settings.job_retries) if settings.job_retries else None,
-        description=f"fanout job: {req.size} items, {sum(ns)} samples",
-        status=JobStatus.SCHEDULED if req.run_at else JobStatus.QUEUED,
-    )
     info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": spec.seed,
-            "priority": req.priority, "metadata": json.dumps(req.metadata)}
+            "priority": req.priority, "metadata": json.dumps(req.metadata), "state": status,
+            "created_at": _iso(datetime.now(timezone.utc))}
     if req.run_at:
         info["run_at"] = req.run_at.isoformat()
     slots = keys.inflight(tenant.id) if tenant else None
@@ -108,6 +94,7 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                     raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
                                                       "API key's limit (jobs_in_flight)")
             pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
+            info.update(shards.create(pipe, q, job_id, spec, settings, req.run_at))
             if slots:
                 pipe.incr(slots)
             if claim:
@@ -118,16 +105,13 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
             if spec.custom_ids:
                 pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in spec.custom_ids])
             # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
-            for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id)):
+            for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id), keys.items(job_id),
+                      keys.shards(job_id)):
                 pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
             # The listing: entries of expired jobs go when a listing meets them, or at this age.
             now = time.time()
             pipe.zadd(listed, {job_id: now})
             pipe.zremrangebyscore(listed, 0, now - settings.job_timeout - settings.result_ttl)
-            if req.run_at:
-                q.schedule_job(job, req.run_at, pipeline=pipe)
-            else:
-                q.enqueue_job(job, pipeline=pipe)
             try:
                 pipe.execute()
                 break
@@ -141,20 +125,24 @@ def _text(v) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def _iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def status_of(redis, job_id: str) -> tuple[str, dict[str, str | None]]:
-    """(status, rq timestamps). The terminal status written to the stream wins; otherwise
-    rq's job status, mapped. Raises JobNotFound."""
-    fields = ("status", "created_at", "started_at", "ended_at")
+    """(status, timestamps: created_at, started_at, ended_at). The terminal status once the
+    job is closed, else its state (queued, scheduled, running). Raises JobNotFound."""
+    fields = ("state", "created_at", "started_at", "ended_at")
     with redis.pipeline(transaction=False) as pipe:
         pipe.get(keys.closed(job_id))
-        pipe.hmget(Job.key_for(job_id), fields)
+        pipe.hmget(keys.info(job_id), fields)
         closed, raw = pipe.execute()
-    rq = dict(zip(fields, map(_text, raw)))
+    info = dict(zip(fields, map(_text, raw)))
     if closed:
-        return _text(closed), rq
-    if rq["status"] is None:
+        return _text(closed), info
+    if info["state"] is None:
         raise JobNotFound(job_id)
-    return _STATUS[JobStatus(rq["status"])], rq
+    return info["state"], info
 
 
 def owned(redis, job_id: str, tenant: Tenant | None) -> None:
@@ -173,13 +161,9 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         raise JobNotFound(job_id)
     error = info["error"]
     if status == "failed" and not error:
-        # Failed outside the worker's hands (e.g. abandoned after a worker died): rq knows why,
-        # while it keeps the job (its TTLs may end before ours).
-        try:
-            result = Job.fetch(job_id, connection=redis, serializer=JSONSerializer).latest_result()
-        except NoSuchJobError:
-            result = None
-        error = (result.exc_string or "failed").strip().splitlines()[-1] if result else "failed"
+        error = "failed"
+    if status == "succeeded":
+        error = None  # an attempt's error that a retry got past
     return {
         "id": job_id, "status": status, "priority": info["priority"],
         "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
@@ -188,7 +172,17 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "model": info["model"], "stream": keys.stream(job_id), "run_at": info["run_at"],
         "created_at": rq["created_at"], "started_at": rq["started_at"], "ended_at": rq["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
+        "shards": shard_counts(redis, job_id, status),
     }
+
+
+def shard_counts(redis, job_id: str, status: str) -> dict[str, Any]:
+    """How many of the job's shards are queued, running, ended, and the workers running them."""
+    c = shards.counters(redis, job_id)
+    on = shards.running_on(redis, job_id) if status not in events.TERMINAL else {}
+    total, released, ended = c.get("total", 0), c.get("released", 0), c.get("ended", 0)
+    return {"total": total, "queued": max(0, released - ended - len(on)), "running": len(on),
+            "done": ended, "pending": total - released, "workers": sorted(set(on.values()))}
 
 
 def listing(redis, tenant: Tenant | None, after: str | None, limit: int,
@@ -225,27 +219,17 @@ def listing(redis, tenant: Tenant | None, after: str | None, limit: int,
 
 
 def cancel(redis, job_id: str, settings: Settings) -> str:
-    """Request a cancel; returns the status after it. A queued or scheduled job is canceled
-    here; a running one by its worker within one engine step (it watches the flag)."""
+    """Request a cancel; returns the status after it. A job none of whose shards runs is
+    canceled here (a worker claims a shard only while the flag is absent, in one
+    transaction, so none can start after this looked); a running one by its workers,
+    each within one engine step (they watch the flag)."""
     status, _ = status_of(redis, job_id)
-    if status in ("succeeded", "failed", "canceled"):
+    if status in events.TERMINAL:
         return status
     redis.set(keys.cancel(job_id), 1, ex=settings.job_timeout + settings.result_ttl)
-    job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-    with redis.pipeline() as pipe:
-        while True:
-            try:
-                # Cancel in rq only if no worker took the job meanwhile (it writes the job hash).
-                pipe.watch(job.key)
-                now_status = job.get_status(refresh=True)
-                if now_status not in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
-                    pipe.reset()
-                    return _STATUS[now_status]  # running: its worker sees the flag
-                pipe.multi()
-                job.cancel(pipeline=pipe)
-                pipe.execute()
-                break
-            except WatchError:
-                continue
-    publisher.close(redis, job_id, "canceled", settings.result_ttl)
-    return "canceled"
+    if redis.hlen(keys.running(job_id)):
+        return "running"
+    publisher.close(redis, job_id, "canceled", settings.result_ttl,
+                    **shards.totals(redis, job_id))
+    status, _ = status_of(redis, job_id)
+    return status

@@ -92,6 +92,15 @@ class Batching(BaseModel):
     max_batch_jobs: int = Field(description="most jobs seen together in one of those steps")
 
 
+class Shards(BaseModel):
+    total: int = Field(description="shards the job was cut into (FANOUT_SHARD_SAMPLES samples each, whole items)")
+    queued: int = Field(description="in the queue, for any worker to take")
+    running: int = Field(description="held by a worker now")
+    done: int = Field(description="ended")
+    pending: int = Field(description="not queued yet: a job keeps FANOUT_SHARD_WINDOW queued at a time")
+    workers: list[str] = Field(description="the workers running its shards now")
+
+
 class JobInfo(BaseModel):
     id: str
     status: Status
@@ -100,7 +109,8 @@ class JobInfo(BaseModel):
     usage: Usage = Field(description="summed over samples")
     error: str | None
     seed: int
-    attempt: int = Field(description="attempts started so far (retries after worker loss count)")
+    attempt: int = Field(description="1 + the retries of its shards so far (a shard resumed after "
+                                     "its worker died or handed it back counts one); 0 before any started")
     metadata: dict[str, str]
     model: str | None = Field(description="the model of the worker that ran it (null until one starts it)")
     stream: str
@@ -109,6 +119,7 @@ class JobInfo(BaseModel):
     started_at: str | None
     ended_at: str | None
     batching: Batching
+    shards: Shards
 
 
 class TopLogprob(BaseModel):

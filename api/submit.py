@@ -14,7 +14,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
-from results import events, keys, progress, publisher, store
+from results import events, keys, progress, store
 
 from . import jobs
 from worker.spec import JobSpec
@@ -194,8 +194,8 @@ async def job_events(job_id: str, request: Request,
                 return
             if not resp:
                 yield ": keep-alive\n\n"
-                ended = await anyio.to_thread.run_sync(settle, st, job_id)
-                if ended and not await st.aredis.xread({key: last}, count=1):
+                done = await anyio.to_thread.run_sync(ended, st, job_id)
+                if done and not await st.aredis.xread({key: last}, count=1):
                     return  # resumed after the terminal entry: the client has the end
                 continue
             for raw_id, fields in resp[0][1]:
@@ -209,15 +209,10 @@ async def job_events(job_id: str, request: Request,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def settle(st, job_id: str) -> bool:
-    """Whether the job has ended (its terminal entry is on the stream, or it expired). A job
-    rq ended without a terminal stream entry (its worker died, no retries left) gets that
-    entry here, so readers stop waiting."""
+def ended(st, job_id: str) -> bool:
+    """Whether the job has ended (its terminal entry is on the stream), or expired."""
     try:
         status, _ = jobs.status_of(st.redis, job_id)
     except jobs.JobNotFound:
         return True
-    if status in ("succeeded", "failed", "canceled"):
-        publisher.close(st.redis, job_id, status, st.settings.result_ttl)
-        return True
-    return False
+    return status in events.TERMINAL

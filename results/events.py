@@ -1,7 +1,8 @@
 """Stream entry format: one Redis stream per job, flat string fields so `redis-cli XREAD`
 stays readable.
 
-    type=attempt  attempt worker                      an attempt (re)starts the job
+    type=attempt  attempt worker shard lo hi          an attempt (re)starts shard `shard`, the
+                                                      job's items [lo, hi)
     type=delta    index sample delta delta_ids [logprobs]
                                                       new text / token ids of one sample
                                                       (logprobs: the records of delta_ids)
@@ -15,8 +16,10 @@ stays readable.
 delta, final and error entries of an item that has a `custom_id` carry it too.
 
 Rebuilding: concatenate `delta` of the delta and final entries of each (index, sample).
-An `attempt` entry after the first means a retry: drop the partial deltas of samples that
-have no final yet (the new attempt regenerates them from the start, same seed).
+An `attempt` entry of a shard after its first (`attempt` > 1) means a retry: drop the
+partial deltas of its items' samples that have no final yet (the new attempt regenerates
+them from the start, same seed). Shards run at once on several workers: their entries
+interleave, each with its global item index.
 Integers are decimal strings; `delta_ids`, `token_ids`, `usage` and `logprobs` are JSON.
 `logprobs` is there only for samples that asked (`logprobs: true`): one record per token,
 `{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}, ...]}`
@@ -30,12 +33,14 @@ from typing import Any
 ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "status"
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 
-_INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed"})
+_INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed", "shard", "lo", "hi"})
 _JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs"})
 
 
-def attempt(number: int, worker: str) -> dict[str, str]:
-    return {"type": ATTEMPT, "attempt": str(number), "worker": worker}
+def attempt(number: int, worker: str, shard: int, lo: int, hi: int) -> dict[str, str]:
+    """Attempt `number` of shard `shard` (items [lo, hi)) starts on `worker`."""
+    return {"type": ATTEMPT, "attempt": str(number), "worker": worker, "shard": str(shard),
+            "lo": str(lo), "hi": str(hi)}
 
 
 def delta(index: int, sample: int, text: str, token_ids: list[int],

@@ -30,6 +30,23 @@ def custom_ids(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:custom_ids"
 
 
+def items(job_id: str) -> str:
+    """List of the job's items, one JSON entry each, in index order: a shard reads its
+    slice (LRANGE); deleted when the job ends."""
+    return f"{PREFIX}:job:{job_id}:items"
+
+
+def shards(job_id: str) -> str:
+    """Hash of the job's shard counters (worker/shards.py): total, released, ended, and per
+    shard its claims (`claims:<k>`) and attempts that stored nothing (`strikes:<k>`)."""
+    return f"{PREFIX}:job:{job_id}:shards"
+
+
+def running(job_id: str) -> str:
+    """Hash of the job's running shards: shard number -> JSON {worker, execution, stored}."""
+    return f"{PREFIX}:job:{job_id}:running"
+
+
 def jobs(tenant: str | None) -> str:
     """Sorted set of the tenant's job ids (every job in open mode), scored by submit time:
     GET /v1/jobs lists it newest first."""
@@ -110,4 +127,5 @@ def rate(tenant: str) -> str:
 
 def all_for(job_id: str) -> list[str]:
     """Every key a job owns (for expiry)."""
-    return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id), custom_ids(job_id)]
+    return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id), custom_ids(job_id),
+            items(job_id), shards(job_id), running(job_id)]

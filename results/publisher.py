@@ -10,19 +10,31 @@ gets there first, and sets the expiry of all the job's keys.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from datetime import datetime, timezone
 
 from . import events, keys, progress, store
 
-# KEYS: closed, stream, results, info, cancel, custom_ids (all expired). ARGV: ttl, status, field, value, ...
+# KEYS: closed, stream, results, info, cancel, custom_ids, shards, running (all expired),
+# items (deleted: the input is not needed once the job ended).
+# ARGV: ttl, status, ended_at, field, value, ...
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
 # counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
 _CLOSE = """
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 local slot = redis.call('HGET', KEYS[4], 'slot')
 if slot then redis.call('DECR', slot) end
-for i = 2, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+redis.call('HSET', KEYS[4], 'ended_at', ARGV[3])
+redis.call('DEL', KEYS[#KEYS])
+for i = 2, #KEYS - 1 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return id
+"""
+
+
+_AT_LEAST = """
+if tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') < tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
 """
 
 
@@ -42,11 +54,6 @@ class Batch:
         self.jobs: set[str] = set()  # the jobs it writes for
         self.counts: defaultdict[str, Counter] = defaultdict(Counter)  # job -> progress increments
         self.reads: list[tuple[str, tuple]] = []  # answered in the same round trip, after the writes
-
-    def attempt(self, job_id: str, number: int, worker: str) -> None:
-        self.jobs.add(job_id)
-        self.pipe.hset(keys.info(job_id), "attempt", number)
-        self.pipe.xadd(keys.stream(job_id), events.attempt(number, worker))
 
     def delta(self, job_id: str, index: int, sample: int, text: str, token_ids: list[int],
               logprobs: list[dict] | None = None, custom_id: str | None = None) -> None:
@@ -76,6 +83,11 @@ class Batch:
         """`close` in this transaction."""
         self.jobs.add(job_id)
         self.pipe.eval(_CLOSE, *_close_args(job_id, status, ttl, extra))
+
+    def at_least(self, job_id: str, name: str, value: int) -> None:
+        """Raise the info hash's `name` to `value` if it is lower (workers write it in turn)."""
+        self.jobs.add(job_id)
+        self.pipe.eval(_AT_LEAST, 1, keys.info(job_id), name, value)
 
     def expire(self, job_id: str, ttl: int) -> None:
         self.jobs.add(job_id)
@@ -108,9 +120,11 @@ class Batch:
 
 def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     fields = events.status(status, **extra)
-    argv = [ttl, status] + [x for kv in fields.items() for x in kv]
+    argv = [ttl, status, datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")]
+    argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
-          keys.cancel(job_id), keys.custom_ids(job_id)]
+          keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),
+          keys.items(job_id)]
     return [len(ks), *ks, *argv]
 
 

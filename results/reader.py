@@ -49,8 +49,10 @@ class Rebuilder:
     def apply(self, entry: dict[str, Any]) -> None:
         kind = entry["type"]
         if kind == events.ATTEMPT:
-            # A new attempt regenerates every unfinished sample from its start.
-            self.outputs = {k: v for k, v in self.outputs.items() if v.finish_reason}
+            # A new attempt regenerates its shard's unfinished samples from their start.
+            lo, hi = entry["lo"], entry["hi"]
+            self.outputs = {k: v for k, v in self.outputs.items()
+                            if v.finish_reason or not lo <= k[0] < hi}
         elif kind == events.STATUS:
             self.status = entry["status"]
         elif kind in (events.DELTA, events.FINAL, events.ERROR):

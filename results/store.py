@@ -25,13 +25,13 @@ def put(redis, job_id: str, index: int, sample: int, record: dict) -> None:
     redis.hset(keys.results(job_id), f"{index}:{sample}", json.dumps(record))
 
 
-def finished(redis, job_id: str) -> set[tuple[int, int]]:
-    """(index, sample) pairs already stored: a retried attempt skips them."""
-    out = set()
-    for field in redis.hkeys(keys.results(job_id)):
-        i, j = (field.decode() if isinstance(field, bytes) else field).split(":")
-        out.add((int(i), int(j)))
-    return out
+def stored(redis, job_id: str, ns: list[int], lo: int, hi: int) -> set[tuple[int, int]]:
+    """(index, sample) pairs of items [lo, hi) already stored: a retried shard skips them."""
+    pairs = [(i, j) for i in range(lo, hi) for j in range(ns[i])]
+    if not pairs:
+        return set()
+    have = redis.hmget(keys.results(job_id), [f"{i}:{j}" for i, j in pairs])
+    return {p for p, v in zip(pairs, have) if v is not None}
 
 
 def page(redis, job_id: str, ns: list[int], offset: int, limit: int) -> list[dict[str, Any]]:

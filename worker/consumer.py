@@ -44,26 +44,24 @@ from typing import Any
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 from redis.retry import Retry
 from rq import Queue, worker_registration
 from rq.exceptions import DequeueTimeout
-from rq.executions import Execution
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 from rq.utils import as_text, now
 from rq.worker import BaseWorker, WorkerStatus
 
-from results import events, keys, publisher, store
+from results import keys, store
 from results.publisher import Batch
 
-from . import reaper
+from . import reaper, shards
 from .engine import Engine, EngineError
-from .logs import JobLog, about
+from .logs import JobLog
 from .metrics import WorkerMetrics
 from .settings import Settings
-from .spec import QUEUE_ORDER, JobSpec
+from .spec import QUEUE_ORDER, Shard
 
 log = logging.getLogger("fanout.worker")
 
@@ -88,24 +86,29 @@ def _one_line(e: Exception) -> str:
 
 @dataclass(slots=True)
 class Active:
-    """A job whose requests are in the engine."""
-    job: Job
-    queue: Queue
-    execution: Execution
+    """A shard whose requests are in the engine (under the tag of its rq job id)."""
+    claim: shards.Claim
     left: dict[int, int]  # item index -> samples not finished yet
-    skip: set[tuple[int, int]]  # (index, sample) stored by an earlier attempt
     remaining: int  # samples to finish in this attempt
     deadline: float  # monotonic time of the job timeout
+    stored: int = 0  # samples this attempt stored (an attempt that stored some is no poison)
     failed_items: set[int] = field(default_factory=set)
     # Unsent deltas: text, token ids, logprobs records (None when not asked).
     pending: dict[tuple[int, int], tuple[str, list[int], list[dict] | None]] = field(default_factory=dict)
     streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
-    steps: int = 0
     max_batch_jobs: int = 0
-    custom_ids: list[str | None] | None = None  # per item, for its stream entries
+    custom_ids: list[str | None] | None = None  # per item of the shard, for its stream entries
+
+    @property
+    def tag(self) -> str:
+        return self.claim.job.id
+
+    @property
+    def job_id(self) -> str:
+        return self.claim.job_id
 
     def custom_id(self, index: int) -> str | None:
-        return self.custom_ids[index] if self.custom_ids else None
+        return self.custom_ids[index - self.claim.lo] if self.custom_ids else None
 
 
 class Consumer(BaseWorker):
@@ -246,7 +249,7 @@ class Consumer(BaseWorker):
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         for a in [a for a in self.active.values() if t > a.deadline]:
-            self.fail(a, f"JobTimeoutException: job exceeded its timeout of {a.job.timeout}s")
+            self.fail(a, f"JobTimeoutException: shard exceeded its timeout of {a.claim.job.timeout}s")
         if self._drain_until is not None and t >= self._drain_until:
             for a in list(self.active.values()):
                 self.hand_back(a)
@@ -290,7 +293,7 @@ class Consumer(BaseWorker):
                 # No hand-back without Redis: the jobs are retried elsewhere once their
                 # executions expire.
                 for a in list(self.active.values()):
-                    self.engine.abort(a.job.id)
+                    self.engine.abort(a.tag)
                 self.active.clear()
                 raise SystemExit(f"fanout worker: redis unavailable at shutdown ({error}); running jobs "
                                  "are retried elsewhere once their heartbeat expires")
@@ -341,6 +344,7 @@ class Consumer(BaseWorker):
         self._sends += 1
         self._sending = mark = str(self._sends)
         batch.pipe.set(self._marker, mark, ex=24 * 3600)
+        holding = list(self.active)
         try:
             while True:
                 try:
@@ -352,9 +356,9 @@ class Consumer(BaseWorker):
                 if self._sent == mark:
                     return self.retrying(self._read, batch)
                 self.retrying(self.beat)
-                if any(job_id not in self.active for job_id in batch.jobs):
-                    for job_id in batch.jobs & self.active.keys():
-                        self.hand_back(self.active[job_id], "redis was unavailable for too long; job handed back")
+                if any(tag not in self.active for tag in holding):
+                    for a in [a for a in self.active.values() if a.job_id in batch.jobs]:
+                        self.hand_back(a, "redis was unavailable for too long; shard handed back")
                     return None
         finally:
             self._sending = None
@@ -364,23 +368,6 @@ class Consumer(BaseWorker):
             for command, args in batch.reads:
                 getattr(pipe, command)(*args)
             return pipe.execute()
-
-    def end(self, job: Job, execution: Execution, transition) -> JobStatus | None:
-        """Run `transition`, a job's end in rq (it removes this worker's execution from the
-        started registry in the same transaction as the rest), until it applied, across Redis
-        outages; not again once the execution is gone (it applied before the connection
-        broke, or the job was reaped meanwhile). Returns the job's status after."""
-        registry = job.started_job_registry.key
-        while True:
-            try:
-                with about(job.id):  # rq's own lines about the job get its id too
-                    transition()
-            except REDIS_DOWN as e:
-                self.wait_for_redis(e)
-            if self.retrying(self.connection.zscore, registry, execution.composite_key) is None:
-                status = self.retrying(self.connection.hget, job.key, "status")
-                return JobStatus(as_text(status)) if status else None
-            self.retrying(job.refresh)  # what the failed try changed in the job object
 
     # -- heartbeats and reaping ------------------------------------------------------
 
@@ -393,10 +380,10 @@ class Consumer(BaseWorker):
         actives = list(self.active.values())
         with self.connection.pipeline() as pipe:
             for a in actives:
-                pipe.zscore(a.job.started_job_registry.key, a.execution.composite_key)
+                pipe.zscore(a.claim.job.started_job_registry.key, a.claim.execution.composite_key)
             self.heartbeat(pipeline=pipe)
             for a in actives:
-                a.execution.heartbeat(a.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
+                a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
             pipe.hset(keys.models(), self.model, json.dumps(
                 {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl,
                  "images": self.image_schemes}))
@@ -407,86 +394,55 @@ class Consumer(BaseWorker):
                 worker_registration.register(self, pipe)
                 pipe.execute()
         for a, score in zip(actives, answers):
-            if score is None and a.job.id in self.active:
-                JobLog(log, a.job.id).warning("reaped while this worker could not heartbeat it; dropped here")
+            if score is None and a.tag in self.active:
+                JobLog(log, a.job_id).warning("shard %d reaped while this worker could not heartbeat it; "
+                                              "dropped here", a.claim.k)
                 self.drop(a)
 
     def drop(self, a: Active) -> None:
         """Forget a job here without writing anything for it."""
-        self.engine.abort(a.job.id)
-        self.executions.pop(a.execution.id, None)
+        self.engine.abort(a.tag)
         self._done(a)
         self.metrics.attempt("dropped")
 
     def reap(self) -> None:
         """Retry, fail or cancel the jobs whose execution expired (worker/reaper.py)."""
         for job_id, owner, outcome in reaper.reap(self.connection, self.queues, self.serializer,
-                                                  self.settings.result_ttl):
+                                                  self.settings.result_ttl, self.wait_for_redis):
             JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", owner, outcome)
             self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
 
-    # -- one job's lifecycle -----------------------------------------------------------
+    # -- one shard's lifecycle (its transitions in Redis: worker/shards.py) ---------------
 
-    def claim(self, job: Job, queue: Queue) -> Execution | None:
-        """Mark the job started by this worker, in one transaction: the StartedJobRegistry
-        entry and execution, the job's status. None if it is not queued any more (canceled
-        meanwhile, or a second entry of a job already taken)."""
-        registry = job.started_job_registry.key
-        while True:
-            execution = None
-            try:
-                with self.connection.pipeline() as pipe:
-                    pipe.watch(job.key)
-                    if as_text(pipe.hget(job.key, "status") or b"") != JobStatus.QUEUED:
-                        return None
-                    pipe.multi()
-                    execution = Execution.create(job, self.heartbeat_ttl, pipeline=pipe, worker_name=self.name)
-                    self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-                    self.heartbeat(pipeline=pipe)
-                    job.prepare_for_execution(self.name, pipeline=pipe)
-                    pipe.persist(job.key)
-                    if len(self.queues) == 1:  # rq's single-queue dequeue keeps it in an intermediate list
-                        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                    pipe.execute()
-                break
-            except WatchError:  # the job changed, or the connection broke while watching
-                pass
-            except REDIS_DOWN as e:
-                self.wait_for_redis(e)
-            if execution and self.retrying(self.connection.zscore, registry, execution.composite_key) is not None:
-                break  # it applied; only the reply was lost
-        self.executions[execution.id] = execution
-        return execution
+    def _busy(self, pipe) -> None:
+        self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+        self.heartbeat(pipeline=pipe)
 
     def start(self, job: Job, queue: Queue) -> None:
-        execution = self.claim(job, queue)
-        if execution is None:
-            JobLog(log, job.id).info("not queued any more; skipped")
+        c = shards.claim(self.connection, job, queue, self.name, self.heartbeat_ttl, self._busy,
+                         self.wait_for_redis)
+        if c is None:
+            JobLog(log, job.id).info("not queued any more, or its job ended; skipped")
             return
-        try:
-            spec = JobSpec.model_validate(job.kwargs["spec"])
-        except Exception as e:  # not a job our API made (or made by another version): no retry
-            self.fail_now(job, queue, execution, f"bad job payload: {_one_line(e)}")
-            return
-        params = spec.sampling_params
-        ns = [p.n for p in params]
-        job_id = job.id
-        skip = self.retrying(store.finished, self.connection, job_id)
-        attempt = int(self.retrying(self.connection.hget, keys.info(job_id), "attempt") or 0) + 1
-        a = Active(job, queue, execution, left={}, skip=skip, remaining=0, custom_ids=spec.custom_ids,
+        self.executions[c.execution.id] = c.execution
+        a = Active(c, left={}, remaining=0,
                    deadline=time.monotonic() + (job.timeout if job.timeout and job.timeout > 0 else 1e12))
-        self.active[job_id] = a
-        JobLog(log, job_id).info("attempt %d, %d items, %d samples stored before", attempt, len(ns),
-                                 len(skip))
-
+        self.active[job.id] = a
+        try:
+            spec = self.retrying(self.read_shard, c)
+        except Exception as e:  # not a job our API made (or made by another version): no retry
+            self.fail(a, f"bad job payload: {_one_line(e)}", retry=False, abort=False)
+            return
+        a.custom_ids = spec.custom_ids
+        JobLog(log, c.job_id).info("shard %d (items %d-%d), attempt %d, %d samples stored before",
+                                   c.k, c.lo, c.hi - 1, c.attempt, len(c.stored))
         batch = Batch(self.connection)
-        batch.info(job_id, total=len(ns), samples=sum(ns), model=self.model)
-        batch.expire(job_id, self.settings.job_timeout + self.settings.result_ttl)
-        batch.attempt(job_id, attempt, self.name)
-        batch.status(job_id, "running")
+        batch.info(c.job_id, model=self.model)
+        batch.expire(c.job_id, self.settings.job_timeout + self.settings.result_ttl)
         todo, todo_params = [], []
-        for index, (item, p) in enumerate(zip(spec.items, params)):
-            left = [j for j in range(p.n) if (index, j) not in skip]
+        for local, (item, p) in enumerate(zip(spec.items, spec.sampling_params)):
+            index = c.lo + local
+            left = [j for j in range(p.n) if (index, j) not in c.stored]
             if not left:
                 continue
             a.left[index] = len(left)
@@ -498,11 +454,11 @@ class Consumer(BaseWorker):
                 for j in left:
                     self.record(batch, a, index, j, store.sample_record("", [], "error", None, str(e)))
         self.send(batch)
-        if job_id not in self.active:  # dropped: Redis was away longer than the TTL
+        if job.id not in self.active:  # dropped: Redis was away longer than the TTL
             return
         if todo:
             try:
-                self.engine.add(job_id, todo, todo_params, seed=spec.seed)
+                self.engine.add(job.id, todo, todo_params, seed=spec.seed)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return
@@ -511,6 +467,16 @@ class Consumer(BaseWorker):
                 return
         if a.remaining == 0:
             self.succeed(a)
+
+    def read_shard(self, c: shards.Claim) -> Shard:
+        """The shard's items from the job's item list."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.lrange(keys.items(c.job_id), c.lo, c.hi - 1)
+            pipe.lrange(keys.custom_ids(c.job_id), c.lo, c.hi - 1)
+            entries, custom = pipe.execute()
+        if len(entries) != c.hi - c.lo:
+            raise ValueError(f"the job's items {c.lo}-{c.hi - 1} are gone (the job expired?)")
+        return Shard.read(c.info["kind"], int(c.info["seed"]), c.info.get("params"), entries, custom, c.lo)
 
     def engine_item(self, kind: str, index: int, item: Any) -> tuple:
         """A job item -> the engine's (index, prompt, input_ids); ValueError fails the item."""
@@ -527,29 +493,34 @@ class Consumer(BaseWorker):
         """Store and announce one finished sample."""
         a.left[index] -= 1
         a.remaining -= 1
+        a.stored += 1
         if rec["finish_reason"] == "error":
             a.failed_items.add(index)
         self.metrics.sample(rec["finish_reason"], rec["usage"])
-        batch.final(a.job.id, index, sample, text_delta, ids_delta or [], rec,
+        batch.final(a.job_id, index, sample, text_delta, ids_delta or [], rec,
                     item_done=a.left[index] == 0, item_failed=index in a.failed_items,
                     custom_id=a.custom_id(index))
 
     def publish(self, events: list) -> bool:
         """One step's events -> one Redis transaction, which also reads the cancel flags and
-        the queue lengths; then finish the completed jobs and cancel the flagged ones.
-        Returns whether jobs are waiting in the queues."""
-        if time.monotonic() >= self._next_beat:  # after a long step: are the jobs still ours?
+        the queue lengths; then finish the completed shards and cancel the flagged ones.
+        Returns whether shards are waiting in the queues."""
+        if time.monotonic() >= self._next_beat:  # after a long step: are the shards still ours?
             self.retrying(self.beat)
         batch = Batch(self.connection)
         in_step = {ev.tag for ev in events if ev.tag in self.active}
-        for job_id in in_step:
-            a = self.active[job_id]
-            a.steps += 1
-            a.max_batch_jobs = max(a.max_batch_jobs, len(in_step))
+        jobs_in_step = {self.active[t].job_id for t in in_step}
+        for job_id in jobs_in_step:
+            batch.counts[job_id]["steps"] += 1
+        for tag in in_step:
+            a = self.active[tag]
+            if len(jobs_in_step) > a.max_batch_jobs:
+                a.max_batch_jobs = len(jobs_in_step)
+                batch.at_least(a.job_id, "max_batch_jobs", a.max_batch_jobs)
         for ev in events:
             a = self.active.get(ev.tag)
-            if a is None or (ev.index, ev.sample) in a.skip:
-                continue  # a canceled / handed-back job, or a sample stored by an earlier attempt
+            if a is None or (ev.index, ev.sample) in a.claim.stored:
+                continue  # a canceled / handed-back shard, or a sample stored by an earlier attempt
             key = (ev.index, ev.sample)
             text, ids, lps = a.pending.pop(key, ("", [], None))
             text, ids = text + ev.text_delta, ids + ev.token_ids_delta
@@ -558,7 +529,7 @@ class Consumer(BaseWorker):
             if not ev.finished:
                 if key not in a.streaming:  # a sample's first tokens go out at once
                     a.streaming.add(key)
-                    batch.delta(a.job.id, ev.index, ev.sample, text, ids, lps, a.custom_id(ev.index))
+                    batch.delta(a.job_id, ev.index, ev.sample, text, ids, lps, a.custom_id(ev.index))
                 elif text or ids:
                     a.pending[key] = (text, ids, lps)
                 continue
@@ -574,125 +545,72 @@ class Consumer(BaseWorker):
             self._next_flush = t + self.delta_interval
             for a in self.active.values():
                 for (index, sample), (text, ids, lps) in a.pending.items():
-                    batch.delta(a.job.id, index, sample, text, ids, lps, a.custom_id(index))
+                    batch.delta(a.job_id, index, sample, text, ids, lps, a.custom_id(index))
                 a.pending.clear()
-                self._batching(batch, a)
-        ids = list(self.active)
-        if ids:
-            batch.read("mget", [keys.cancel(i) for i in ids])
+        tags = list(self.active)
+        if tags:
+            batch.read("mget", [keys.cancel(self.active[t].job_id) for t in tags])
         for q in self.queues:
             batch.read("llen", q.key)
         answers = self.send(batch)
         if answers is None:
             return False
-        for job_id in in_step:
-            a = self.active.get(job_id)
+        for tag in in_step:
+            a = self.active.get(tag)
             if a is not None and a.remaining == 0:
                 self.succeed(a)
-        if ids:
-            for job_id, flag in zip(ids, answers[0]):
-                if flag is not None and job_id in self.active:
-                    self.cancel(self.active[job_id])
+        if tags:
+            for tag, flag in zip(tags, answers[0]):
+                if flag is not None and tag in self.active:
+                    self.cancel(self.active[tag])
         return any(answers[-len(self.queues):])
 
-    @staticmethod
-    def _batching(batch: Batch, a: Active) -> None:
-        batch.info(a.job.id, steps=a.steps, max_batch_jobs=a.max_batch_jobs)
-
     def _done(self, a: Active) -> None:
-        del self.active[a.job.id]
+        del self.active[a.tag]
+        self.executions.pop(a.claim.execution.id, None)
         if not self.active:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
+    def _settle(self, a: Active, outcome: str, error: str | None = None) -> str | None:
+        """End this attempt of the shard in Redis (worker/shards.py), once, across outages."""
+        c = a.claim
+        return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,
+                             self.settings.result_ttl, self.wait_for_redis, error=error,
+                             progressed=a.stored > 0)
+
     def succeed(self, a: Active) -> None:
-        batch = Batch(self.connection)
-        self._batching(batch, a)
-        self.send(batch)
-        if a.job.id not in self.active:  # dropped: Redis was away longer than the TTL
-            return
         self._done(a)
-        job = a.job
-        counts = self.retrying(reaper.counts, self.connection, job.id)
-
-        def transition():
-            job.ended_at = now()
-            job._result = counts  # rq's job result (JSON): the counts; the outputs are in results/
-            self.handle_job_success(job, a.queue, job.started_job_registry, a.execution)
-
-        if self.end(job, a.execution, transition) == JobStatus.FINISHED:
-            self.retrying(publisher.close, self.connection, job.id, "succeeded", self.settings.result_ttl,
-                          **counts)
-            JobLog(log, job.id).info("succeeded (%s)", counts)
+        if self._settle(a, shards.DONE) is not None:
+            JobLog(log, a.job_id).info("shard %d done", a.claim.k)
             self.metrics.attempt("succeeded")
 
     def fail(self, a: Active, exc_string: str, retry: bool = True, abort: bool = True) -> None:
-        """Abort the job's requests and fail this attempt (rq retries it if it has retries
-        left and `retry`)."""
+        """Abort the shard's requests and fail this attempt: retried (a strike unless it
+        stored samples) while the shard has strikes left and `retry`, else its job fails."""
         if abort:
-            self.engine.abort(a.job.id)
+            self.engine.abort(a.tag)
         self._done(a)
-        self.fail_now(a.job, a.queue, a.execution, exc_string, retry)
-
-    def fail_now(self, job: Job, queue: Queue, execution: Execution, exc_string: str,
-                 retry: bool = False) -> None:
         message = exc_string.strip().splitlines()[-1]
-
-        def transition():
-            job.ended_at = now()
-            if not retry:
-                job.retries_left = 0
-            self.connection.hset(keys.info(job.id), "error", message)
-            # rq logs (and swallows) an error in its transaction: `end` sees it did not apply.
-            self.handle_job_failure(job, queue, job.started_job_registry, exc_string, execution)
-
-        status = self.end(job, execution, transition)
-        if status == JobStatus.FAILED:
-            self.retrying(publisher.close, self.connection, job.id, "failed", self.settings.result_ttl,
-                          error=message, **self.retrying(reaper.counts, self.connection, job.id))
-            JobLog(log, job.id).warning("failed: %s", message)
+        applied = self._settle(a, shards.RETRY if retry else shards.FAILED, message)
+        if applied == shards.FAILED:
+            JobLog(log, a.job_id).warning("failed: %s", message)
             self.metrics.attempt("failed")
-        elif status in (JobStatus.QUEUED, JobStatus.SCHEDULED):
-            batch = Batch(self.connection)
-            batch.status(job.id, "queued", error=message)
-            self.retrying(batch.send)
-            JobLog(log, job.id).warning("attempt failed, retrying: %s", message)
+        elif applied == shards.RETRY:
+            JobLog(log, a.job_id).warning("shard %d attempt failed, retrying: %s", a.claim.k, message)
             self.metrics.attempt("retried")
-        if not self.active:
-            self.retrying(self.set_state, WorkerStatus.IDLE)
 
     def cancel(self, a: Active) -> None:
         """Abort now (KV freed at once); finished samples stay stored."""
-        n = self.engine.abort(a.job.id)
+        n = self.engine.abort(a.tag)
         self._done(a)
-        job = a.job
-
-        def transition():
-            with self.connection.pipeline() as pipe:
-                reaper.mark_canceled(job, pipe, self.settings.result_ttl)
-                self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
-                pipe.execute()
-
-        if self.end(job, a.execution, transition) == JobStatus.CANCELED:
-            self.retrying(publisher.close, self.connection, job.id, "canceled", self.settings.result_ttl,
-                          **self.retrying(reaper.counts, self.connection, job.id))
-            JobLog(log, job.id).info("canceled, %d requests aborted", n)
+        if self._settle(a, shards.CANCELED) is not None:
+            JobLog(log, a.job_id).info("canceled, %d requests aborted", n)
             self.metrics.attempt("canceled")
 
-    def hand_back(self, a: Active, reason: str = "worker shut down; job handed back") -> None:
-        """Requeue the job at the front, as if never started (no retry used)."""
-        self.engine.abort(a.job.id)
+    def hand_back(self, a: Active, reason: str = "worker shut down; shard handed back") -> None:
+        """Requeue the shard at the front, as if never started (no strike)."""
+        self.engine.abort(a.tag)
         self._done(a)
-        job = a.job
-
-        def transition():
-            with self.connection.pipeline() as pipe:
-                pipe.multi()
-                self.cleanup_execution(job, pipeline=pipe, execution=a.execution)
-                job.started_at = None
-                a.queue.enqueue_job(job, pipeline=pipe, at_front=True)
-                pipe.xadd(keys.stream(job.id), events.status("queued", error=reason))
-                pipe.execute()
-
-        self.end(job, a.execution, transition)
-        JobLog(log, job.id).info("handed back to queue %s", a.queue.name)
-        self.metrics.attempt("handed_back")
+        if self._settle(a, shards.HANDED_BACK, reason) is not None:
+            JobLog(log, a.job_id).info("shard %d handed back to queue %s", a.claim.k, a.claim.queue.name)
+            self.metrics.attempt("handed_back")

@@ -20,7 +20,7 @@ def _int(name: str, default: int) -> int:
 @dataclass(slots=True)
 class Settings:
     redis_url: str = "redis://localhost:6379/0"
-    max_batch: int = 10_000  # items per job
+    max_batch: int = 100_000  # items per job
     max_new_tokens: int = 4096  # per sample
     max_n: int = 64  # samples per item
     max_body_bytes: int = 32 * 1024 * 1024
@@ -34,6 +34,11 @@ class Settings:
     # (sent every third of it); then any worker retries the job, or fails it. Above the
     # longest engine step, or a stalled worker loses its jobs.
     heartbeat_ttl: int = 30
+    # A job is cut into shards of about this many samples (whole items: one with more is a
+    # shard of its own) that any worker takes; each job keeps at most `shard_window` of them
+    # queued (more are released as workers take them), so jobs of one priority interleave.
+    shard_samples: int = 64
+    shard_window: int = 8
     # An idle SSE connection gets a comment this often (seconds); proxies keep it open.
     sse_keepalive: int = 15
     # OpenAI batches: requests per input file and its size (OpenAI's limits), and how long
@@ -55,6 +60,8 @@ class Settings:
             job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
             heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),
+            shard_samples=_int("FANOUT_SHARD_SAMPLES", d.shard_samples),
+            shard_window=_int("FANOUT_SHARD_WINDOW", d.shard_window),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
             batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),

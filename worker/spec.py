@@ -1,17 +1,20 @@
 """The job contract between the API and the worker, defined once and imported by both.
 
-A job travels as an rq job (JSON serializer, no pickles) that names `JOB_FUNC` with one
-keyword argument, `spec`: a `JobSpec` dumped to JSON. The API validates the request, turns
-it into a `JobSpec` (sampling parameters normalized to one per item, the job seed fixed)
-and enqueues it on the queue of its priority; the worker parses it back with
-`JobSpec.model_validate` and fails a payload that does not parse at once, without retry.
+The API validates the request and turns it into a `JobSpec` (sampling parameters
+normalized to one per item, the job seed fixed). Its items go to Redis as a list of JSON
+entries (`layout`: one per item; the sampling parameters in the job's info hash when all
+items share them), and the job is cut into shards (`plan`) that travel as rq jobs (JSON
+serializer, no pickles) naming `JOB_FUNC` with two keyword arguments, the job id and the
+shard number (worker/shards.py). A worker reads its shard's slice back as a `Shard` and
+fails a payload that does not parse at once, without retry.
 
 This module lives in worker/ (the worker runs what it describes) and imports neither the
 web app nor torch.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -150,6 +153,44 @@ class JobSpec(JobInput):
             raise ValueError(f"sampling_params: {len(self.sampling_params)} for {self.size} items")
         return self
 
-    def payload(self) -> dict[str, Any]:
-        """The rq job's JSON argument (defaults left out: a 10,000-item job stays small)."""
-        return self.model_dump(mode="json", exclude_defaults=True)
+    def layout(self) -> tuple[list[str], str | None]:
+        """(one JSON entry per item, the sampling parameters all items share as JSON or
+        None). Defaults are left out: a 100,000-item job stays small. An entry is
+        {"x": item} plus "p": its sampling parameters when they are not shared."""
+        d = self.model_dump(mode="json", exclude_defaults=True)
+        params = d.get("sampling_params") or [{} for _ in range(self.size)]
+        shared = all(p == params[0] for p in params)
+        entries = [json.dumps({"x": x} if shared else {"x": x, "p": p}, separators=(",", ":"))
+                   for x, p in zip(d[self.kind], params)]
+        return entries, (json.dumps(params[0]) if shared else None)
+
+
+class Shard(JobSpec):
+    """A slice of a job: its items [offset, offset + size), by global index."""
+    offset: int = Field(0, ge=0)
+
+    @classmethod
+    def read(cls, kind: str, seed: int, shared: str | None, entries: list, custom_ids: list | None,
+             offset: int) -> "Shard":
+        """The shard from its items' entries (JobSpec.layout) and custom ids ("" for none)."""
+        rows = [json.loads(e) for e in entries]
+        common = json.loads(shared) if shared is not None else None
+        return cls.model_validate({
+            kind: [r["x"] for r in rows], "seed": seed, "offset": offset,
+            "sampling_params": [common if common is not None else r["p"] for r in rows],
+            "custom_ids": [(c.decode() if isinstance(c, bytes) else c) or None for c in custom_ids]
+            if custom_ids else None})
+
+
+def plan(ns: list[int], samples: int) -> list[int]:
+    """Shard bounds: shard k holds items [bounds[k], bounds[k + 1]). A shard takes items
+    until their samples reach `samples`; an item is never split (one with more samples is
+    a shard of its own)."""
+    bounds, held = [0], 0
+    for i, n in enumerate(ns):
+        if held and held + n > samples:
+            bounds.append(i)
+            held = 0
+        held += n
+    bounds.append(len(ns))
+    return bounds

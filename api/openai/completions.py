@@ -17,9 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from results import events, keys
 from results.reader import Rebuilder
 
-from .. import jobs
+from .. import jobs, submit
 from ..schemas import JobRequest
-from ..submit import settle
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
@@ -110,7 +109,7 @@ async def _follow(st, job_id: str, request: Request | None) -> AsyncIterator[dic
             if request is not None and await request.is_disconnected():
                 return
             if not resp:
-                if await anyio.to_thread.run_sync(settle, st, job_id) and not await st.aredis.xread({key: last}, count=1):
+                if await anyio.to_thread.run_sync(submit.ended, st, job_id) and not await st.aredis.xread({key: last}, count=1):
                     ended = True
                     return
                 continue

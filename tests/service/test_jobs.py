@@ -1,9 +1,10 @@
 """End to end over real HTTP, a real Redis server and a real worker process."""
+import json
 from datetime import datetime, timedelta, timezone
 
 import httpx
 from rq.job import Job
-from rq.registry import CanceledJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
@@ -89,20 +90,23 @@ def test_an_item_with_its_own_seed_gives_the_same_samples_in_any_job(client, eng
 
 
 def test_a_payload_that_does_not_parse_fails_at_once_without_retry(redis, worker):
-    from rq import Queue, Retry
-    from rq.registry import FailedJobRegistry
+    """A shard whose items do not parse (not written by our API) fails its job at its first
+    attempt: retrying cannot help."""
+    from datetime import datetime, timedelta, timezone
 
-    from worker.spec import JOB_FUNC, QUEUES
-    q = Queue(QUEUES["high"], connection=redis, serializer=JSONSerializer)
-    job = q.enqueue(JOB_FUNC, kwargs={"spec": {"prompts": ["a"], "sampling_params": [{"n": "two"}],
-                                               "seed": 1}}, retry=Retry(max=2))
-    events = follow(redis, job.id, timeout=20)
+    from api import jobs
+    from api.schemas import JobRequest
+    from worker.settings import Settings
+
+    req = JobRequest(prompts=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}], priority="high",
+                     run_at=datetime.now(timezone.utc) + timedelta(seconds=2))
+    job_id = jobs.submit(redis, req, Settings(result_ttl=3600, job_retries=2))["id"]
+    redis.lset(keys.items(job_id), 0, json.dumps({"x": "a", "p": {"n": "two"}}))
+    events = follow(redis, job_id, timeout=30)
     assert events[-1][1]["status"] == "failed"
     assert "sampling_params.0.n" in events[-1][1]["error"], events
-    job.refresh()
-    assert job.get_status() == "failed" and job.retries_left == 0
-    assert job.id in FailedJobRegistry(q.name, connection=redis)
-    assert [e["type"] for _, e in events].count("attempt") == 0
+    assert [e["type"] for _, e in events].count("attempt") == 1
+    assert not redis.exists(keys.items(job_id))  # the input goes once the job ended
 
 
 def test_sse_resumes_after_a_dropped_connection_without_gap_or_duplicate(client, api_pair, redis):
@@ -143,23 +147,28 @@ def test_three_jobs_share_engine_batches(client, engine, redis):
 
 
 def test_rq_sees_the_truth_while_running_and_after(client, redis, worker):
+    """A small job is one shard, an rq job `<id>-0`: started while it runs, forgotten by rq
+    once it ended (the job's own keys keep the outcome)."""
     job = client.submit(prompts=PROMPTS, sampling_params={"max_new_tokens": 60, "ignore_eos": True})
-    rq_job = Job.fetch(job["id"], connection=redis, serializer=JSONSerializer)
+    rq_job = Job.fetch(job["id"] + "-0", connection=redis, serializer=JSONSerializer)
     it = reader.follow(redis, job["id"], timeout=60)
     next(e for _, e in it if e["type"] == "delta")
     assert rq_job.get_status() == "started"
     assert rq_job.id in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
     w = Worker.find_by_key(Worker.redis_worker_namespace_prefix + worker.name, connection=redis)
-    assert w.get_state() == "busy" and w.get_current_job_id() == job["id"]
-    assert client.status(job["id"])["status"] == "running"
+    assert w.get_state() == "busy"
+    info = client.status(job["id"])
+    assert info["status"] == "running"
+    assert info["shards"] == {"total": 1, "queued": 0, "running": 1, "done": 0, "pending": 0,
+                              "workers": [worker.name]}
     for _ in it:
         pass
-    assert rq_job.get_status() == "finished"
-    assert rq_job.id in FinishedJobRegistry(rq_job.origin, connection=redis)
+    assert not Job.exists(rq_job.id, connection=redis)
     assert rq_job.id not in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
-    assert rq_job.latest_result().return_value == {"done": 4, "total": 4, "failed": 0}
+    info = client.status(job["id"])
+    assert info["progress"]["done"] == 4 and info["shards"]["done"] == 1 and info["shards"]["running"] == 0
     w.refresh()
-    assert w.get_state() == "idle" and w.successful_job_count >= 1
+    assert w.get_state() == "idle"
 
 
 def test_cancel_mid_run_stops_within_one_step(client, redis):
@@ -175,10 +184,8 @@ def test_cancel_mid_run_stops_within_one_step(client, redis):
     info = client.status(job["id"])
     assert info["status"] == "canceled" and info["progress"]["samples_done"] == 0
     assert info["usage"]["completion_tokens"] == 0
-    rq_job = Job.fetch(job["id"], connection=redis, serializer=JSONSerializer)
-    assert rq_job.get_status() == "canceled"
-    assert rq_job.id in CanceledJobRegistry(rq_job.origin, connection=redis)
-    assert rq_job.id not in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
+    assert not Job.exists(job["id"] + "-0", connection=redis)
+    assert not StartedJobRegistry("fanout", connection=redis).get_job_ids()
     # The worker moves on: the next job runs.
     nxt = client.submit(prompts=["ok"], sampling_params={"max_new_tokens": 2})
     assert follow(redis, nxt["id"])[-1][1]["status"] == "succeeded"
@@ -223,14 +230,14 @@ def test_sigterm_hands_jobs_back_and_the_retry_resumes(client, engine, redis, wo
     first = next(e for _, e in it if e["type"] == "final")
     assert first["index"] == 0
     assert worker.stop() == 0  # warm shutdown, drain timeout 0: hand back now
-    rq_job = Job.fetch(job["id"], connection=redis, serializer=JSONSerializer)
+    rq_job = Job.fetch(job["id"] + "-0", connection=redis, serializer=JSONSerializer)
     assert rq_job.get_status() == "queued"
     assert rq_job.get_position() == 0  # at the front of its queue
     assert rq_job.id not in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
     info = client.status(job["id"])
     assert info["status"] == "queued" and info["progress"]["done"] == 1
     last = reader.events.decode(redis.xrevrange(keys.stream(job["id"]), count=1)[0][1])
-    assert last == {"type": "status", "status": "queued", "error": "worker shut down; job handed back"}
+    assert last == {"type": "status", "status": "queued", "error": "worker shut down; shard handed back"}
 
     worker.start()
     entries = [e for _, e in reader.follow(redis, job["id"], timeout=60)]

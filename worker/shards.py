@@ -1,0 +1,313 @@
+"""A job's shards in Redis: how a job is cut, queued, claimed and ended, by the API
+(`create`), the workers (`claim`, `settle`) and the reapers (`settle`).
+
+At submit a job's items go to its item list and the job is cut into shards of about
+FANOUT_SHARD_SAMPLES samples (worker.spec.plan). A shard travels as an rq job
+`<job id>-<k>` whose arguments name the job and k; its worker reads the shard's slice of
+the item list. A job keeps at most `window` shards queued: the first ones are enqueued at
+submit and every claim releases the next, so a job of a million items holds a window of
+the queue, and jobs of one priority take turns (a job submitted behind a huge one waits
+for `window` of its shards to be taken, not for all of them).
+
+    queued --claim--> running --settle--> done      (the last one closes the job `succeeded`)
+                                     \\--> canceled  (the job's cancel flag: closes it `canceled`)
+                                     \\--> failed    (closes the job `failed`; its other shards stop)
+                                     \\--> queued    (handed back, or retried after a failed attempt)
+
+State: keys.shards holds total, window, retries, released, ended, and per shard
+`claims:<k>` (attempts started) and `strikes:<k>` (attempts that failed having stored
+nothing); keys.running maps each running shard to the attempt that holds it.
+
+Invariants, true after every transaction: released = queued + running + ended (queued:
+in rq's queues) and released <= total; a shard is in keys.running exactly while its
+attempt's rq execution is registered (both change in the same transactions); a shard
+struck more than `retries` times fails its job (a poison job ends, a job whose attempts
+keep storing samples never does); the terminal status is written once
+(results.publisher.close), by whoever ends the last shard, fails one, or meets the cancel.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
+from rq import Queue
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from rq.utils import as_text, now, utcformat
+
+from results import events, keys, publisher, store
+
+from .settings import Settings
+from .spec import JOB_FUNC, QUEUES, JobSpec, plan
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+RPUSH_CHUNK = 10_000  # item entries per RPUSH
+
+# Claim bookkeeping on the job's info hash, in the claim's transaction: the job's attempt
+# count (1 + the retries of its shards), its start time, and `running` on the stream when
+# it was not running. KEYS: info, stream. ARGV: this claim's number for its shard, now.
+_STARTED = """
+local old = redis.call('HGET', KEYS[1], 'state')
+local n = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+if tonumber(ARGV[1]) > 1 then n = n + 1 elseif n < 1 then n = 1 end
+redis.call('HSET', KEYS[1], 'attempt', n, 'state', 'running')
+redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
+if old ~= 'running' then redis.call('XADD', KEYS[2], '*', 'type', 'status', 'status', 'running') end
+return n
+"""
+
+
+def shard_id(job_id: str, k: int) -> str:
+    return f"{job_id}-{k}"
+
+
+def _text(v) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _rq_job(q: Queue, job_id: str, k: int, timeout: int, scheduled: bool = False) -> Job:
+    # result_ttl=0: rq forgets a shard once it ends; the job's own keys keep the outcome.
+    return q.create_job(JOB_FUNC, kwargs={"job": job_id, "shard": k}, job_id=shard_id(job_id, k),
+                        timeout=timeout, result_ttl=0, description=f"fanout job {job_id}, shard {k}",
+                        status=JobStatus.SCHEDULED if scheduled else JobStatus.QUEUED)
+
+
+def create(pipe, q: Queue, job_id: str, spec: JobSpec, settings: Settings,
+           run_at: datetime | None = None) -> dict[str, str]:
+    """In the submit's transaction (MULTI opened): the item list, the shard counters and
+    the first window of shards (scheduled for run_at if given). Returns the fields the
+    job's info hash takes for its shards."""
+    entries, shared = spec.layout()
+    bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
+    total = len(bounds) - 1
+    first = min(total, settings.shard_window)
+    for i in range(0, len(entries), RPUSH_CHUNK):
+        pipe.rpush(keys.items(job_id), *entries[i:i + RPUSH_CHUNK])
+    pipe.hset(keys.shards(job_id), mapping={"total": total, "window": settings.shard_window,
+                                            "retries": settings.job_retries, "released": first,
+                                            "ended": 0})
+    for k in range(first):
+        job = _rq_job(q, job_id, k, settings.job_timeout, scheduled=run_at is not None)
+        if run_at is not None:
+            q.schedule_job(job, run_at, pipeline=pipe)
+        else:
+            q.enqueue_job(job, pipeline=pipe)
+    fields = {"kind": spec.kind, "bounds": json.dumps(bounds), "shards": total}
+    if shared is not None:
+        fields["params"] = shared
+    return fields
+
+
+@dataclass(slots=True)
+class Claim:
+    """A shard this worker holds: its items [lo, hi) and what an earlier attempt stored."""
+    job_id: str
+    k: int
+    lo: int
+    hi: int
+    job: Job  # the shard's rq job
+    queue: Queue
+    execution: Execution
+    attempt: int  # the shard's claims so far, this one included
+    stored: set[tuple[int, int]]  # (index, sample) stored before this attempt
+    info: dict  # the job's info hash (decoded)
+
+
+def _info(redis, job_id: str) -> dict | None:
+    raw = redis.hgetall(keys.info(job_id))
+    return {_text(k): _text(v) for k, v in raw.items()} if raw else None
+
+
+def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callable,
+          on_outage: Callable) -> Claim | None:
+    """Mark the shard started by `worker` in one transaction: rq's execution (heartbeat TTL
+    `ttl`) and job status, keys.running, the claim count, the attempt entry on the stream,
+    the next shard released to keep the window full; `on_pipe(pipe)` adds the worker's own
+    writes. None if the shard is not queued any more, or its job ended or was canceled
+    (the shard is dropped then). `on_outage(error)` waits for Redis; a transaction whose
+    reply was lost is looked up, not sent again."""
+    job_id, k = job.kwargs["job"], int(job.kwargs["shard"])
+    info = _info(redis, job_id)
+    if info is None or "bounds" not in info:
+        _forget(redis, job)
+        return None
+    bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
+    lo, hi = bounds[k], bounds[k + 1]
+    stored = store.stored(redis, job_id, ns, lo, hi)
+    run, counters = keys.running(job_id), keys.shards(job_id)
+    while True:
+        execution = None
+        try:
+            with redis.pipeline() as pipe:
+                pipe.watch(job.key, counters, run, keys.cancel(job_id), keys.closed(job_id))
+                if as_text(pipe.hget(job.key, "status") or b"") != JobStatus.QUEUED:
+                    return None
+                if pipe.exists(keys.cancel(job_id), keys.closed(job_id)):
+                    pipe.multi()
+                    pipe.delete(job.key)
+                    pipe.execute()
+                    return None
+                c = _counters(pipe.hgetall(counters))
+                running = pipe.hlen(run)
+                attempt = c.get(f"claims:{k}", 0) + 1
+                pipe.multi()
+                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker)
+                on_pipe(pipe)
+                job.prepare_for_execution(worker, pipeline=pipe)
+                pipe.persist(job.key)
+                pipe.hset(run, k, json.dumps({"worker": worker, "execution": execution.composite_key,
+                                              "stored": len(stored)}))
+                pipe.hincrby(counters, f"claims:{k}", 1)
+                pipe.xadd(keys.stream(job_id), events.attempt(attempt, worker, k, lo, hi))
+                pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, utcformat(now()))
+                _release(redis, pipe, job_id, c, running + 1, info["priority"], job.timeout)
+                pipe.execute()
+            break
+        except WatchError:
+            continue
+        except REDIS_DOWN as e:
+            on_outage(e)
+            if execution is not None and holds(redis, job_id, k, execution.composite_key):
+                break  # it applied; only the reply was lost
+    return Claim(job_id, k, lo, hi, job, queue, execution, attempt, stored, info)
+
+
+def _counters(raw: dict) -> dict[str, int]:
+    return {_text(k): int(v) for k, v in raw.items()}
+
+
+def _release(redis, pipe, job_id: str, c: dict[str, int], running: int, priority: str, timeout) -> None:
+    """Enqueue the next shards, in `pipe` (MULTI opened), until the job has `window`
+    queued; `c`: the counters as read under WATCH, `running`: keys.running's length after
+    this transaction."""
+    released = c["released"]
+    queued = released - running - c["ended"]
+    q = Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+    while queued < c["window"] and released < c["total"]:
+        q.enqueue_job(_rq_job(q, job_id, released, timeout), pipeline=pipe)
+        released += 1
+        queued += 1
+    if released != c["released"]:
+        pipe.hset(keys.shards(job_id), "released", released)
+
+
+def holds(redis, job_id: str, k: int, execution: str) -> bool:
+    """Whether that attempt still holds shard k."""
+    raw = redis.hget(keys.running(job_id), k)
+    return raw is not None and json.loads(raw)["execution"] == execution
+
+
+def _forget(redis, job: Job) -> None:
+    """A shard whose job is gone (expired): drop rq's copy."""
+    redis.delete(job.key)
+
+
+# Outcomes of settle.
+DONE, CANCELED, FAILED, HANDED_BACK, RETRY = "done", "canceled", "failed", "handed back", "retry"
+
+
+def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: str, result_ttl: int,
+           on_outage: Callable, error: str | None = None, progressed: bool = False,
+           on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None) -> str | None:
+    """End the attempt `execution` of shard k, in one transaction with its outcome:
+    DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike) or RETRY
+    (queued again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED
+    once the shard has more strikes than the job's retries). Returns the outcome applied
+    (RETRY may become FAILED), or None if that attempt no longer held the shard (settled
+    meanwhile, e.g. by a reaper). A reaper also watches `watch` and settles only if
+    `still(pipe)` holds under it (the execution is still expired)."""
+    run, counters = keys.running(job_id), keys.shards(job_id)
+    composite = execution.composite_key
+    while True:
+        try:
+            with redis.pipeline() as pipe:
+                pipe.watch(run, counters, keys.closed(job_id), *watch)
+                raw = pipe.hget(run, k)
+                if raw is None or json.loads(raw)["execution"] != composite:
+                    return None
+                if still is not None and not still(pipe):
+                    return None
+                c = _counters(pipe.hgetall(counters))
+                running = pipe.hlen(run) - 1
+                applied, why = outcome, error
+                if outcome == RETRY:
+                    strikes = c.get(f"strikes:{k}", 0) + (not progressed)
+                    if strikes > c.get("retries", 0):
+                        applied = FAILED
+                        why = (f"{error}; shard {k} (items {_items(redis, job_id, k)}) failed {strikes} "
+                               "attempts that stored nothing")
+                closed = pipe.exists(keys.closed(job_id))
+                counts = totals(redis, job_id)
+                pipe.multi()
+                pipe.hdel(run, k)
+                execution.delete(job, pipeline=pipe)
+                if on_pipe is not None:
+                    on_pipe(pipe)
+                batch = publisher.Batch(redis)
+                if applied in (HANDED_BACK, RETRY):
+                    if applied == RETRY and not progressed:
+                        pipe.hincrby(counters, f"strikes:{k}", 1)
+                    job.started_at = None
+                    Queue(job.origin, connection=redis, serializer=JSONSerializer).enqueue_job(
+                        job, pipeline=pipe, at_front=True)
+                    if why:
+                        batch.info(job_id, error=why)
+                    if running == 0 and not closed:
+                        pipe.hset(keys.info(job_id), "state", "queued")
+                        batch.status(job_id, "queued", error=why)
+                else:
+                    pipe.delete(job.key)
+                    pipe.hincrby(counters, "ended", 1)
+                    if applied == FAILED:
+                        # The job fails with it: its other shards stop at their next step.
+                        pipe.set(keys.cancel(job_id), 1, ex=result_ttl)
+                        batch.info(job_id, error=why)
+                        batch.close(job_id, "failed", result_ttl, error=why, **counts)
+                    elif applied == CANCELED:
+                        batch.close(job_id, "canceled", result_ttl, **counts)
+                    elif c["ended"] + 1 == c["total"]:
+                        batch.close(job_id, "succeeded", result_ttl, **counts)
+                batch.send(pipe)
+            return applied
+        except WatchError:
+            continue
+        except REDIS_DOWN as e:
+            on_outage(e)
+            if not holds(redis, job_id, k, composite):
+                return outcome  # it applied; only the reply was lost
+
+
+def _items(redis, job_id: str, k: int) -> str:
+    bounds = json.loads(redis.hget(keys.info(job_id), "bounds"))
+    return f"{bounds[k]}-{bounds[k + 1] - 1}"
+
+
+def totals(redis, job_id: str) -> dict:
+    """The job's item counts, for its terminal status entry."""
+    done, total, failed = redis.hmget(keys.info(job_id), "done", "total", "failed")
+    return {"done": int(done or 0), "total": int(total or 0), "failed": int(failed or 0)}
+
+
+def progressed(redis, job_id: str, k: int) -> bool:
+    """Whether the attempt holding shard k stored samples (a reaper asks, about a dead one)."""
+    raw = redis.hget(keys.running(job_id), k)
+    info = _info(redis, job_id)
+    if raw is None or info is None:
+        return False
+    bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
+    return len(store.stored(redis, job_id, ns, bounds[k], bounds[k + 1])) > json.loads(raw)["stored"]
+
+
+def running_on(redis, job_id: str) -> dict[int, str]:
+    """Running shard -> its worker."""
+    return {int(k): json.loads(v)["worker"] for k, v in redis.hgetall(keys.running(job_id)).items()}
+
+
+def counters(redis, job_id: str) -> dict[str, int]:
+    return _counters(redis.hgetall(keys.shards(job_id)))
