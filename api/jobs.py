@@ -231,5 +231,6 @@ def cancel(redis, job_id: str, settings: Settings) -> str:
         return "running"
     publisher.close(redis, job_id, "canceled", settings.result_ttl,
                     **shards.totals(redis, job_id))
+    shards.drop_queued(redis, job_id)
     status, _ = status_of(redis, job_id)
     return status

@@ -80,11 +80,11 @@ def _job_id(scope, start_message) -> str | None:
 
 
 class Jobs:
-    """Jobs in Redis by queue and status, from rq's queue lists and registries, in one round
-    trip (LLEN and ZCARDs). Ended jobs stay counted until rq's maintenance drops their
-    expired entries (result TTL after their end)."""
+    """Shards in Redis by queue and status, from rq's queue lists and registries, in one
+    round trip (LLEN and ZCARDs): what the fleet has to do now. rq forgets a shard once it
+    ended; a job's outcome is the job's own (GET /v1/jobs)."""
 
-    STATUSES = ("scheduled", "running", "succeeded", "failed", "canceled")
+    STATUSES = ("scheduled", "running")
 
     def __init__(self, conn: redis.Redis):
         self.conn = conn
@@ -95,8 +95,7 @@ class Jobs:
             with self.conn.pipeline(transaction=False) as pipe:
                 for q in queues:
                     pipe.llen(q.key)
-                    for reg in (q.scheduled_job_registry, q.started_job_registry, q.finished_job_registry,
-                                q.failed_job_registry, q.canceled_job_registry):
+                    for reg in (q.scheduled_job_registry, q.started_job_registry):
                         pipe.zcard(reg.key)
                 counts = pipe.execute()
         except redis.RedisError:
@@ -105,7 +104,7 @@ class Jobs:
                                 value=int(counts is not None))
         if counts is None:
             return
-        jobs = GaugeMetricFamily("fanout_jobs", "Jobs in Redis by rq queue and status (status "
+        jobs = GaugeMetricFamily("fanout_shards", "Shards of jobs in Redis by rq queue and status (status "
                                  "queued: the queue's length)", labels=["queue", "status"])
         per_queue = 1 + len(self.STATUSES)
         for i, q in enumerate(queues):

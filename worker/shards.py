@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -302,6 +303,25 @@ def progressed(redis, job_id: str, k: int) -> bool:
         return False
     bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
     return len(store.stored(redis, job_id, ns, bounds[k], bounds[k + 1])) > json.loads(raw)["stored"]
+
+
+def drop_queued(redis, job_id: str) -> int:
+    """Take an ended job's queued and scheduled shards out of rq (a worker that dequeued
+    one meanwhile finds it gone or its job closed, and skips it). Returns how many."""
+    released = counters(redis, job_id).get("released", 0)
+    running = {int(k) for k in redis.hkeys(keys.running(job_id))}
+    n = 0
+    for k in range(released):
+        if k in running:
+            continue
+        try:
+            job = Job.fetch(shard_id(job_id, k), connection=redis, serializer=JSONSerializer)
+        except NoSuchJobError:
+            continue
+        if job.get_status(refresh=False) in (JobStatus.QUEUED, JobStatus.SCHEDULED):
+            job.delete(remove_from_queue=True)
+            n += 1
+    return n
 
 
 def running_on(redis, job_id: str) -> dict[int, str]:

@@ -13,7 +13,7 @@ def test_batch_stores_before_it_announces_and_counts(redis):
     job = new_id()
     redis.hset(keys.info(job), mapping={"total": 2, "samples": 2, "ns": "[1, 1]"})
     b = Batch(redis)
-    b.attempt(job, 1, "w")
+    b.status(job, "running")
     b.delta(job, 1, 0, "Hel", [5, 6])
     rec = store.sample_record("Hello", [5, 6, 7], "length", {"prompt_tokens": 3, "cached_tokens": 1,
                                                              "completion_tokens": 3})
@@ -24,11 +24,12 @@ def test_batch_stores_before_it_announces_and_counts(redis):
     b.send()
     info = progress.read(redis, job)
     assert (info["done"], info["failed"], info["samples_done"], info["completion_tokens"]) == (2, 1, 2, 3)
-    assert store.finished(redis, job) == {(0, 0), (1, 0)}
+    assert store.stored(redis, job, [1, 1], 0, 2) == {(0, 0), (1, 0)}
+    assert store.stored(redis, job, [1, 1], 1, 2) == {(1, 0)}
     page = store.page(redis, job, [1, 1], 0, 10)
     assert page[1]["samples"] == [{"sample": 0, **rec}] and page[0]["samples"][0]["error"] == "prompt too long"
     entries = [events.decode(f) for _, f in redis.xrange(keys.stream(job))]
-    assert [e["type"] for e in entries] == ["attempt", "delta", "final", "error"]
+    assert [e["type"] for e in entries] == ["status", "delta", "final", "error"]
     assert entries[2]["text"] == "Hello" and entries[2]["delta"] == "lo"
 
 
@@ -46,21 +47,24 @@ def test_close_writes_one_terminal_entry_and_sets_expiry(redis):
 def test_follow_resumes_and_rebuilder_drops_partials_of_a_new_attempt(redis):
     job = new_id()
     s = keys.stream(job)
-    redis.xadd(s, events.attempt(1, "a"))
+    redis.xadd(s, events.attempt(1, "a", 0, 0, 2))
+    redis.xadd(s, events.attempt(1, "a", 1, 2, 3))  # a second shard, item 2, on the same worker
     redis.xadd(s, events.delta(0, 0, "ab", [1, 2]))
     mid = redis.xadd(s, events.delta(1, 0, "x", [9])).decode()
+    redis.xadd(s, events.delta(2, 0, "q", [4]))
     rec = store.sample_record("abc", [1, 2, 3], "stop", None)
     redis.xadd(s, events.final(0, 0, "c", [3], rec))
-    redis.xadd(s, events.attempt(2, "b"))  # item 1 restarts from scratch
+    redis.xadd(s, events.attempt(2, "b", 0, 0, 2))  # shard 0 again: item 1 restarts from scratch
     redis.xadd(s, events.delta(1, 0, "y", [8]))
     redis.xadd(s, events.final(1, 0, "z", [7], store.sample_record("yz", [8, 7], "length", None)))
     redis.xadd(s, events.status("succeeded"))
     everything = list(reader.follow(redis, job, timeout=5))
     assert [i for i, _ in reader.follow(redis, job, last_id=mid, timeout=5)] == \
-        [i for i, _ in everything][3:]
+        [i for i, _ in everything][4:]
     rb = reader.Rebuilder()
     for _, e in everything:
         rb.apply(e)
     assert (rb.outputs[(0, 0)].text, rb.outputs[(0, 0)].token_ids) == ("abc", [1, 2, 3])
     assert (rb.outputs[(1, 0)].text, rb.outputs[(1, 0)].token_ids) == ("yz", [8, 7])
+    assert rb.outputs[(2, 0)].text == "q"  # another shard's partial sample is kept
     assert rb.status == "succeeded"
