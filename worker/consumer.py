@@ -593,6 +593,7 @@ class Consumer(BaseWorker):
         message = exc_string.strip().splitlines()[-1]
         applied = self._settle(a, shards.RETRY if retry else shards.FAILED, message)
         if applied == shards.FAILED:
+            self.retrying(shards.drop_queued, self.connection, a.job_id)
             JobLog(log, a.job_id).warning("failed: %s", message)
             self.metrics.attempt("failed")
         elif applied == shards.RETRY:
@@ -604,7 +605,8 @@ class Consumer(BaseWorker):
         n = self.engine.abort(a.tag)
         self._done(a)
         if self._settle(a, shards.CANCELED) is not None:
-            JobLog(log, a.job_id).info("canceled, %d requests aborted", n)
+            self.retrying(shards.drop_queued, self.connection, a.job_id)
+            JobLog(log, a.job_id).info("shard %d canceled, %d requests aborted", a.claim.k, n)
             self.metrics.attempt("canceled")
 
     def hand_back(self, a: Active, reason: str = "worker shut down; shard handed back") -> None:

@@ -71,6 +71,8 @@ def reap_one(redis, registry: str, entry: str, serializer, result_ttl: int,
         applied = shards.settle(redis, job_id, k, job, execution, outcome, result_ttl, on_outage,
                                 error=why, progressed=shards.progressed(redis, job_id, k),
                                 watch=(registry,), still=expired)
+    if applied in (shards.CANCELED, shards.FAILED):
+        shards.drop_queued(redis, job_id)
     if applied is None:
         if not shards.holds(redis, job_id, k, entry):  # settled before: a leftover entry
             _leftover(redis, registry, execution, job)

@@ -14,7 +14,8 @@ for `window` of its shards to be taken, not for all of them).
                                      \\--> failed    (closes the job `failed`; its other shards stop)
                                      \\--> queued    (handed back, or retried after a failed attempt)
 
-State: keys.shards holds total, window, retries, released, ended, and per shard
+State: keys.shards holds total, window, retries, released, ended, failed (1 once a shard
+failed the job), and per shard
 `claims:<k>` (attempts started) and `strikes:<k>` (attempts that failed having stored
 nothing); keys.running maps each running shard to the attempt that holds it.
 
@@ -23,7 +24,8 @@ in rq's queues) and released <= total; a shard is in keys.running exactly while 
 attempt's rq execution is registered (both change in the same transactions); a shard
 struck more than `retries` times fails its job (a poison job ends, a job whose attempts
 keep storing samples never does); the terminal status is written once
-(results.publisher.close), by whoever ends the last shard, fails one, or meets the cancel.
+(results.publisher.close), by whoever ends the last shard, or the last running one of a
+job that was canceled or failed: nothing writes to its stream after it.
 """
 from __future__ import annotations
 
@@ -228,14 +230,15 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
     while True:
         try:
             with redis.pipeline() as pipe:
-                pipe.watch(run, counters, keys.closed(job_id), *watch)
+                pipe.watch(run, counters, keys.closed(job_id), keys.cancel(job_id), *watch)
                 raw = pipe.hget(run, k)
                 if raw is None or json.loads(raw)["execution"] != composite:
                     return None
                 if still is not None and not still(pipe):
                     return None
                 c = _counters(pipe.hgetall(counters))
-                running = pipe.hlen(run) - 1
+                running = pipe.hlen(run) - 1  # after this
+                stopping = bool(pipe.exists(keys.cancel(job_id)))
                 applied, why = outcome, error
                 if outcome == RETRY:
                     strikes = c.get(f"strikes:{k}", 0) + (not progressed)
@@ -243,6 +246,8 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                         applied = FAILED
                         why = (f"{error}; shard {k} (items {_items(redis, job_id, k)}) failed {strikes} "
                                "attempts that stored nothing")
+                if stopping and applied in (HANDED_BACK, RETRY):
+                    applied = CANCELED  # canceled (or failed elsewhere) meanwhile: nothing to requeue
                 closed = pipe.exists(keys.closed(job_id))
                 counts = totals(redis, job_id)
                 pipe.multi()
@@ -265,15 +270,23 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                 else:
                     pipe.delete(job.key)
                     pipe.hincrby(counters, "ended", 1)
+                    failed = c.get("failed", 0) or applied == FAILED
                     if applied == FAILED:
-                        # The job fails with it: its other shards stop at their next step.
+                        # The job fails with it: its other shards stop at their next step, and
+                        # the last of them to stop writes the terminal entry.
                         pipe.set(keys.cancel(job_id), 1, ex=result_ttl)
+                        pipe.hset(counters, "failed", 1)
                         batch.info(job_id, error=why)
-                        batch.close(job_id, "failed", result_ttl, error=why, **counts)
-                    elif applied == CANCELED:
-                        batch.close(job_id, "canceled", result_ttl, **counts)
-                    elif c["ended"] + 1 == c["total"]:
+                        stopping = True
+                    if c["ended"] + 1 == c["total"] and not failed and not stopping:
                         batch.close(job_id, "succeeded", result_ttl, **counts)
+                    elif (stopping or c["ended"] + 1 == c["total"]) and running == 0:
+                        # The last running shard of a stopped job: after it nothing writes.
+                        if failed:
+                            message = why if applied == FAILED else _text(redis.hget(keys.info(job_id), "error"))
+                            batch.close(job_id, "failed", result_ttl, error=message, **counts)
+                        else:
+                            batch.close(job_id, "canceled", result_ttl, **counts)
                 batch.send(pipe)
             return applied
         except WatchError:

@@ -116,8 +116,10 @@ class Engine:
         return self.scheduler.has_work() or self.front.has_events() or len(self.front.intake) > 0
 
     def has_room(self) -> bool:
-        """Worth taking another job now (items waiting for their images count as waiting)."""
-        return self.scheduler.has_room(len(self.front.intake))
+        """Worth taking another shard now (items waiting for their images, and samples
+        waiting for their prompt's warm-up, count as waiting)."""
+        pending = len(self.front.intake) + sum(len(w.samples) for w in self.front.warmups.values())
+        return self.scheduler.has_room(pending)
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""

@@ -63,9 +63,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_room(self, pending: int = 0) -> bool:
-        """Worth taking more requests now: the waiting queue (and `pending` more on their
-        way) is short."""
-        return len(self.waiting) + pending < max(8, self.cfg.max_running // 4)
+        """Worth taking more requests now: every request taken so far runs (none waits, and
+        none of `pending` is on its way) and slots are free. A worker takes a job's next
+        shard only then, so the shards of one job spread over the workers that have room
+        instead of queuing behind one of them."""
+        return not self.waiting and pending == 0 and len(self.running) < self.cfg.max_running
 
     def abort(self, rid: str) -> Req | None:
         """Abort a request wherever it is; its KV is freed now."""

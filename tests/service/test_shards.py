@@ -1,0 +1,176 @@
+"""One job, every worker: a job's shards run on two worker processes at once, and what the
+user sees is one job (one stream, global indices, one terminal entry, the outputs of one
+engine), through kill -9, SIGTERM and cancel. Its own Redis, API and two workers (one
+thread each, a short heartbeat TTL); jobs are submitted with small shards so a few dozen
+items make many."""
+import signal
+import time
+from collections import Counter
+
+import pytest
+import redis as redis_lib
+from rq.job import Job
+
+from api import jobs
+from api.schemas import JobRequest
+from conftest import WorkerProc, start_api, wait_for
+from results import keys, reader
+from results.client import Client
+from worker.engine import SamplingParams
+from worker.redis_server import EmbeddedRedis
+from worker.settings import Settings
+
+TTL = 4  # the workers' heartbeat TTL: a killed worker's shards are reaped after it
+SHARDS = Settings(result_ttl=3600, shard_samples=8, shard_window=4)
+PROMPTS = [f"item {i}: the quick brown fox" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("shards")
+    server = EmbeddedRedis()
+    api, url = start_api(server.url, logs, "api")
+    r = redis_lib.Redis.from_url(server.url)
+    env = {"FANOUT_HEARTBEAT_TTL": str(TTL), "OMP_NUM_THREADS": "1"}
+    workers = [WorkerProc(server.url, model_dir, logs, env=env) for _ in range(2)]
+    for w in workers:
+        w.start()
+    yield {"redis": r, "api": url, "workers": workers}
+    for w in workers:
+        if w.proc and w.proc.alive():
+            w.stop()
+    api.stop()
+    r.close()
+    server.stop()
+
+
+def entries(r, job_id):
+    return [reader.events.decode(f) for _, f in r.xrange(keys.stream(job_id))]
+
+
+def submit(r, prompts, params, seed=11):
+    return jobs.submit(r, JobRequest(prompts=prompts, sampling_params=params, seed=seed), SHARDS)["id"]
+
+
+def outputs(client, job_id):
+    return {(it["index"], s["sample"]): s["token_ids"] for it in client.results(job_id) for s in it["samples"]}
+
+
+def reference(engine, prompts, params, seed=11):
+    ref = engine.generate(prompts=prompts, sampling_params=SamplingParams(**params), seed=seed)
+    return {(it.index, j): s.token_ids for it in ref for j, s in enumerate(it.samples)}
+
+
+def check_once(es, samples):
+    """Every sample final exactly once, one terminal entry, and the stream rebuilds it."""
+    finals = Counter((e["index"], e["sample"]) for e in es if e["type"] == "final")
+    assert len(finals) == samples and set(finals.values()) == {1}
+    assert sum(reader.events.is_terminal(e) for e in es) == 1 and reader.events.is_terminal(es[-1])
+
+
+def test_one_job_runs_on_both_workers_with_the_outputs_of_one_engine(fleet, engine):
+    r = fleet["redis"]
+    params = {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}
+    job_id = submit(r, PROMPTS, params)
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: client.status(job_id)["status"] == "succeeded", 120, "the job", interval=0.2)
+        info = client.status(job_id)
+        es = entries(r, job_id)
+        check_once(es, len(PROMPTS))
+        assert info["shards"] == {"total": 8, "queued": 0, "running": 0, "done": 8, "pending": 0, "workers": []}
+        assert info["progress"]["samples_done"] == len(PROMPTS) and info["attempt"] == 1
+        # Each shard ran once; both workers took part.
+        ran = {e["shard"]: (e["worker"], e["hi"] - e["lo"]) for e in es if e["type"] == "attempt"}
+        assert sorted(ran) == list(range(8))
+        share = Counter()
+        for worker, items in ran.values():
+            share[worker] += items
+        assert set(share) == {w.name for w in fleet["workers"]}, share
+        # Whatever ran where, the samples are the ones one engine makes from the job seed.
+        assert outputs(client, job_id) == reference(engine, PROMPTS, params)
+
+
+def test_a_small_job_behind_a_huge_one_does_not_wait_for_all_of_it(fleet):
+    r = fleet["redis"]
+    huge = submit(r, [f"bulk {i}" for i in range(2000)], {"max_new_tokens": 8, "ignore_eos": True})
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: client.status(huge)["status"] == "running", 30, "the huge job to start")
+        small = submit(r, PROMPTS[:4], {"max_new_tokens": 4})
+        wait_for(lambda: client.status(small)["status"] == "succeeded", 60, "the small job", interval=0.1)
+        big = client.status(huge)
+        assert big["status"] == "running" and big["progress"]["done"] < 1000, big["progress"]
+        # It holds a window of the queue, not 250 shards.
+        assert big["shards"]["queued"] <= SHARDS.shard_window and big["shards"]["pending"] > 100
+        assert client.cancel(huge)["status"] in ("running", "canceled")
+        wait_for(lambda: client.status(huge)["status"] == "canceled", 30, "the cancel", interval=0.1)
+        wait_for(lambda: client.status(huge)["shards"]["running"] == 0, 10, "every shard to stop")
+    assert sum(reader.events.is_terminal(e) for e in entries(r, huge)) == 1
+
+
+def test_cancel_reaches_every_shard_on_every_worker(fleet):
+    r = fleet["redis"]
+    job_id = submit(r, PROMPTS * 2, {"max_new_tokens": 900, "ignore_eos": True})
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: len(client.status(job_id)["shards"]["workers"]) == 2, 60,
+                 "both workers to run its shards", interval=0.05)
+        assert client.cancel(job_id)["status"] == "running"
+        t = time.monotonic()
+        wait_for(lambda: client.status(job_id)["status"] == "canceled", 30, "the cancel", interval=0.02)
+        took = time.monotonic() - t
+        wait_for(lambda: client.status(job_id)["shards"]["running"] == 0, 10, "every shard to stop")
+        info = client.status(job_id)
+    es = entries(r, job_id)
+    assert sum(reader.events.is_terminal(e) for e in es) == 1
+    assert es[-1]["status"] == "canceled", es[-1]
+    # Nothing of it is left in rq's queues for a worker to take.
+    assert not any(Job.exists(f"{job_id}-{k}", connection=r) for k in range(info["shards"]["total"]))
+    print(f"cancel across 2 workers: canceled {took:.2f}s after the request")
+
+
+def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
+    r = fleet["redis"]
+    params = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True}
+    job_id = submit(r, PROMPTS[:48], params)
+    victim, other = fleet["workers"]
+    with Client(fleet["api"]) as client:
+        def both_running_and_some_stored():
+            info = client.status(job_id)
+            return victim.name in info["shards"]["workers"] and info["progress"]["samples_done"] >= 4
+        wait_for(both_running_and_some_stored, 60, "the victim to hold shards mid-job", interval=0.02)
+        victim.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: client.status(job_id)["status"] in ("succeeded", "failed"), 60 + 5 * TTL,
+                 "the job to finish on the other worker", interval=0.2)
+        took = time.monotonic() - killed
+        info = client.status(job_id)
+        assert info["status"] == "succeeded" and info["attempt"] >= 2, info
+        es = entries(r, job_id)
+        check_once(es, 48)
+        retried = {e["shard"] for e in es if e["type"] == "attempt" and e["attempt"] == 2}
+        assert retried and all(e["worker"] == other.name for e in es
+                               if e["type"] == "attempt" and e["attempt"] == 2)
+        assert outputs(client, job_id) == reference(engine, PROMPTS[:48], params)
+        rb = reader.Rebuilder()
+        for e in es:
+            rb.apply(e)
+        assert {k: o.token_ids for k, o in rb.outputs.items()} == outputs(client, job_id)
+    victim.start()  # the next test has two workers again
+    print(f"kill -9 mid-job: succeeded {took:.1f}s after the kill (TTL {TTL}s)")
+
+
+def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
+    r = fleet["redis"]
+    params = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True}
+    job_id = submit(r, PROMPTS[:48], params, seed=12)
+    leaving, staying = fleet["workers"]
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: leaving.name in client.status(job_id)["shards"]["workers"], 60,
+                 "the leaving worker to hold shards", interval=0.02)
+        assert leaving.stop() == 0  # drain timeout 0: its shards go back to the front of the queue
+        wait_for(lambda: client.status(job_id)["status"] == "succeeded", 120, "the job", interval=0.2)
+        es = entries(r, job_id)
+        check_once(es, 48)
+        handed = [e for e in es if e["type"] == "attempt" and e["attempt"] == 2]
+        assert handed and all(e["worker"] == staying.name for e in handed)
+        assert outputs(client, job_id) == reference(engine, PROMPTS[:48], params, seed=12)
+    leaving.start()
