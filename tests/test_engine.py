@@ -169,6 +169,36 @@ def test_too_long_prompt_fails_alone_and_abort_frees_kv(llama_path):
     assert sum(e.finished and e.finish_reason == "abort" for e in evs) == 4
 
 
+def test_a_text_past_what_the_context_can_hold_fails_without_being_tokenized(llama_path):
+    """bound.py: a 30 MB prompt fails its item in no time (the tokenizer never sees it); a
+    text just under the bound is tokenized and judged by its tokens as before."""
+    import time
+
+    eng = Engine(llama_path)
+    bound = eng.front.chats.bound
+    calls = []
+    encoder = eng.front.text.encode.__self__  # the text intake thread's own
+    tokenize = encoder.tokenize
+    encoder.tokenize = lambda texts: calls.append(texts) or tokenize(texts)
+    huge = "x" * (30 * 1024 * 1024)
+    t = time.perf_counter()
+    out = eng.generate(prompts=["hello", huge], sampling_params=SamplingParams(max_new_tokens=2))
+    took = time.perf_counter() - t
+    assert out[0].samples[0].finish_reason == "length"
+    err = out[1].samples[0]
+    assert err.finish_reason == "error" and "not tokenized" in err.error and str(bound.max_bytes) in err.error
+    assert all(huge not in texts for texts in calls)
+    print(f"30 MB prompt refused in {took:.3f}s (bound {bound.max_bytes} bytes)")
+    # A chat renders to text first: the same bound, the same error, its item alone.
+    out = eng.generate(messages=[[{"role": "user", "content": huge}], [{"role": "user", "content": "hi"}]],
+                       sampling_params=SamplingParams(max_new_tokens=2))
+    assert "not tokenized" in out[0].samples[0].error and out[1].samples[0].finish_reason == "length"
+    # Under the bound: tokenized, then too many tokens for the context, as any long prompt.
+    near = "ab " * (bound.max_bytes // 3 - 1)
+    out = eng.generate(prompts=[near], sampling_params=SamplingParams(max_new_tokens=2))
+    assert "context" in out[0].samples[0].error and "not tokenized" not in out[0].samples[0].error
+
+
 def test_bad_params_named():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)

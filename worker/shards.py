@@ -38,7 +38,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from rq import Queue
-from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -318,23 +317,23 @@ def progressed(redis, job_id: str, k: int) -> bool:
     return len(store.stored(redis, job_id, ns, bounds[k], bounds[k + 1])) > json.loads(raw)["stored"]
 
 
-def drop_queued(redis, job_id: str) -> int:
-    """Take an ended job's queued and scheduled shards out of rq (a worker that dequeued
-    one meanwhile finds it gone or its job closed, and skips it). Returns how many."""
+def drop_queued(redis, job_id: str) -> None:
+    """Take a stopped job's queued and scheduled shards out of rq. Called once its cancel
+    flag (or terminal status) is set, when no claim can succeed any more (claims watch
+    both), so the running shards it skips are all there will be. A worker that dequeued
+    one meanwhile finds it gone and skips it."""
     released = counters(redis, job_id).get("released", 0)
     running = {int(k) for k in redis.hkeys(keys.running(job_id))}
-    n = 0
-    for k in range(released):
-        if k in running:
-            continue
-        try:
-            job = Job.fetch(shard_id(job_id, k), connection=redis, serializer=JSONSerializer)
-        except NoSuchJobError:
-            continue
-        if job.get_status(refresh=False) in (JobStatus.QUEUED, JobStatus.SCHEDULED):
-            job.delete(remove_from_queue=True)
-            n += 1
-    return n
+    priority = _text(redis.hget(keys.info(job_id), "priority")) or "normal"
+    q = Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+    with redis.pipeline(transaction=False) as pipe:
+        for k in range(released):
+            if k not in running:
+                sid = shard_id(job_id, k)
+                pipe.lrem(q.key, 0, sid)
+                pipe.zrem(q.scheduled_job_registry.key, sid)
+                pipe.delete(Job.key_for(sid))
+        pipe.execute()
 
 
 def running_on(redis, job_id: str) -> dict[int, str]:

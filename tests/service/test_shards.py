@@ -23,6 +23,8 @@ from worker.settings import Settings
 TTL = 4  # the workers' heartbeat TTL: a killed worker's shards are reaped after it
 SHARDS = Settings(result_ttl=3600, shard_samples=8, shard_window=4)
 PROMPTS = [f"item {i}: the quick brown fox" for i in range(64)]
+# Every shard holds short items, stored at once, and long ones, still running a while after.
+MIXED = [{"max_new_tokens": 4 if i % 2 else 300, "temperature": 0.8, "ignore_eos": True} for i in range(48)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,8 @@ def outputs(client, job_id):
 
 
 def reference(engine, prompts, params, seed=11):
-    ref = engine.generate(prompts=prompts, sampling_params=SamplingParams(**params), seed=seed)
+    sp = [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
+    ref = engine.generate(prompts=prompts, sampling_params=sp, seed=seed)
     return {(it.index, j): s.token_ids for it in ref for j, s in enumerate(it.samples)}
 
 
@@ -129,13 +132,14 @@ def test_cancel_reaches_every_shard_on_every_worker(fleet):
 
 def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
     r = fleet["redis"]
-    params = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True}
+    params = MIXED
     job_id = submit(r, PROMPTS[:48], params)
     victim, other = fleet["workers"]
     with Client(fleet["api"]) as client:
         def both_running_and_some_stored():
             info = client.status(job_id)
-            return victim.name in info["shards"]["workers"] and info["progress"]["samples_done"] >= 4
+            return victim.name in info["shards"]["workers"] and info["progress"]["samples_done"] >= 4 \
+                and info["status"] == "running"
         wait_for(both_running_and_some_stored, 60, "the victim to hold shards mid-job", interval=0.02)
         victim.stop(signal.SIGKILL)
         killed = time.monotonic()
@@ -160,7 +164,7 @@ def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
 
 def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
     r = fleet["redis"]
-    params = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True}
+    params = MIXED
     job_id = submit(r, PROMPTS[:48], params, seed=12)
     leaving, staying = fleet["workers"]
     with Client(fleet["api"]) as client:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .bound import TextBound
 from .image_urls import ImageError, ImageSources
 from .images import ClipProcessor, Image, ImageSpan, Qwen2VLProcessor, load_image, open_image
 
@@ -28,10 +29,12 @@ class VisionInput:
 
 
 class ChatEncoder:
-    def __init__(self, tokenizer, vision: VisionInput | None, sources: ImageSources = ImageSources()):
+    def __init__(self, tokenizer, vision: VisionInput | None, sources: ImageSources = ImageSources(),
+                 bound: TextBound | None = None):
         self.tokenizer = tokenizer
         self.vision = vision
         self.sources = sources  # which image URLs are read, and their limits
+        self.bound = bound  # a rendered chat longer than the context can hold is not tokenized
 
     @property
     def schemes(self) -> list[str]:
@@ -105,6 +108,8 @@ class ChatEncoder:
                                                       add_generation_prompt=True)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from None
+        if self.bound is not None and (error := self.bound.check(text)) is not None:
+            raise ValueError(error)
         # The template already holds the special tokens (BOS) it wants.
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not urls:

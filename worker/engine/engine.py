@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .bound import TextBound
 from .chat import ChatEncoder, VisionInput
 from .config import EngineConfig
 from .events import Event, ItemResult, SampleResult
@@ -71,7 +72,8 @@ class Engine:
                                  mc.vision.image_token_id, mc.vocab_size)
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
                            self.kv_manager.num_tokens, eos, mc.vocab_size,
-                           ChatEncoder(self.tokenizer, vision, cfg.image_sources), cfg.image_memory)
+                           ChatEncoder(self.tokenizer, vision, cfg.image_sources,
+                                       TextBound(self.tokenizer, self.max_context)), cfg.image_memory)
 
     # -- step-level interface (the worker drives these) --------------------------
 
@@ -113,13 +115,16 @@ class Engine:
         return self.front.abort(tag)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.front.has_events() or len(self.front.intake) > 0
+        return (self.scheduler.has_work() or self.front.has_events() or len(self.front.intake) > 0
+                or len(self.front.text) > 0)
 
     def has_room(self) -> bool:
-        """Worth taking another shard now (items waiting for their images, and samples
-        waiting for their prompt's warm-up, count as waiting)."""
-        pending = len(self.front.intake) + sum(len(w.samples) for w in self.front.warmups.values())
-        return self.scheduler.has_room(pending)
+        """Worth taking another shard now: the scheduler has room (samples waiting for their
+        prompt's warm-up count as waiting) and few chat items wait for their images (a slow
+        download must not hold up other jobs' shards)."""
+        pending = len(self.front.text) + sum(len(w.samples) for w in self.front.warmups.values())
+        return (self.scheduler.has_room(pending)
+                and len(self.front.intake) < max(8, self.config.max_running // 4))
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""

@@ -23,7 +23,8 @@ from .detokenizer import Detokenizer
 from .events import Event, Usage
 from .images import ImageSpan
 from .grammar import GrammarError, Grammars
-from .intake import ImageIntake, Pending
+from .encoder import Encoder
+from .intake import ImageIntake, Pending, TextIntake
 from .req import Req
 from .sampling_params import SamplingParams, per_item
 from .scheduler import Scheduler, StepResult, step_error
@@ -68,7 +69,9 @@ class Front:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.chats = chats
+        self.encoder = Encoder(tokenizer, chats)  # on this thread: chats whose images were loaded
         self.intake = ImageIntake(chats, max_context, image_memory)  # chat items with images
+        self.text = TextIntake(self.encoder.copy().encode)  # every other text or chat item
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.kv_tokens = kv_tokens
@@ -83,41 +86,13 @@ class Front:
 
     # -- fan-out -----------------------------------------------------------------
 
-    def tokenize(self, prompts: list) -> list[list[int]]:
-        """Text items in one tokenizer call; token-id items as given."""
-        texts = [p for p in prompts if isinstance(p, str)]
-        if len(texts) == len(prompts):
-            return self.tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
-        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
-                else list(p) for p in prompts]
-
-    def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
-        """(ids, image spans, error) per item: a chat's error (template) is its own."""
-        out: list = [None] * len(items)
-        plain = [i for i, (_, prompt, _) in enumerate(items) if not isinstance(prompt, list)]
-        for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
-                                                else items[i][2] for i in plain])):
-            out[i] = (ids, [], None)
-        for i, (index, chat, _) in enumerate(items):
-            if isinstance(chat, list):
-                out[i] = self._encode_chat(index, chat)
-        return out
-
-    def _encode_chat(self, index: int, chat: list, images: dict | Exception | None = None) -> tuple:
-        if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
-            why = f"{type(images).__name__}: {images}"
-            return [], [], f"messages[{index}]: its images could not be loaded ({why})"
-        try:
-            return (*self.chats.encode(chat, images), None)
-        except ValueError as e:
-            return [], [], f"messages[{index}]: {e}"
-
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
             sink: Sink | None) -> int:
         """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
         (a list of messages); params: one SamplingParams for all or one per item (see
-        sampling_params.per_item). A chat with images waits in the intake until they are
-        loaded (feed). Returns the job seed used."""
+        sampling_params.per_item). Texts and chats are encoded on the text intake's thread, a
+        chat with images once the image intake has loaded them; feed() fans them out. Returns
+        the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
@@ -126,20 +101,30 @@ class Front:
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
         group = next(self._ids)
         urls = [self.chats.image_urls(prompt) for _, prompt, _ in items]
-        now = [(item, p) for item, p, u in zip(items, params, urls) if not u]
         self.intake.put([Pending(tag, group, index, chat, p, seed, sink)
                          for (index, chat, _), p, u in zip(items, params, urls) if u])
-        if now:
-            self._fan_out(tag, group, [(item[0], *enc, p) for (item, p), enc
-                                       in zip(now, self.encode([item for item, _ in now]))], seed, sink)
+        self.text.put([Pending(tag, group, index, prompt, p, seed, sink)
+                       for (index, prompt, _), p, u in zip(items, params, urls) if not u and prompt is not None])
+        given = [(index, list(ids), [], None, p) for (index, prompt, ids), p in zip(items, params)
+                 if prompt is None]
+        if given:  # token ids need no encoding (they are checked when fanned out)
+            self._fan_out(tag, group, given, seed, sink)
         return seed
 
     def feed(self, block: bool) -> None:
-        """Fan out the chat items whose images the intake has loaded (`block`: the engine
-        has nothing else to do, so wait a little for them)."""
-        for items, images in self.intake.ready(block):
+        """Fan out the items the intakes have encoded: texts and chats (their thread), and
+        chats whose images were loaded (encoded here). `block`: the engine has nothing else
+        to do, so wait a little for them."""
+        for items, encoded in self.text.ready(block and not len(self.intake)):
+            if isinstance(encoded, Exception):  # the encoder itself failed: the slice's items fail
+                encoded = [([], [], f"encoding failed: {type(encoded).__name__}: {encoded}")] * len(items)
+            first = items[0] if items else None
+            if first is not None:
+                self._fan_out(first.tag, first.group, [(it.index, *enc, it.params)
+                                                       for it, enc in zip(items, encoded)], first.seed, first.sink)
+        for items, images in self.intake.ready(block and not len(self.text)):
             for it in items:
-                enc = self._encode_chat(it.index, it.chat, images)
+                enc = self.encoder.encode_chat(it.index, it.chat, images)
                 self.intake.hold(self._fan_out(it.tag, it.group, [(it.index, *enc, it.params)],
                                                it.seed, it.sink))
 
@@ -214,7 +199,8 @@ class Front:
         return bool(self.outbox)
 
     def abort(self, tag: object) -> int:
-        n = sum(p.params.n for p in self.intake.drop(tag))  # no requests yet: nothing to end
+        # Items still in an intake have no requests yet: nothing to end.
+        n = sum(p.params.n for p in self.intake.drop(tag) + self.text.drop(tag))
         for rid, w in list(self.warmups.items()):
             if w.req.tag == tag:
                 del self.warmups[rid]

@@ -1,6 +1,11 @@
-"""Chat items with images, on their way into the engine.
+"""Items on their way into the engine, prepared on threads of their own so the steps of the
+requests already in the engine go on meanwhile (the front fans them out once ready).
 
-Their images are read (files, downloads: image_urls.py), decoded and preprocessed
+TextIntake: texts and chats without images are tokenized (a chat templated first) on one
+thread, with its own copy of the tokenizer (encoder.py), a slice at a time: a shard of long
+prompts does not hold the engine's loop, which keeps heartbeating and reading cancels.
+
+ImageIntake: chat items with images. Their images are read (files, downloads: image_urls.py), decoded and preprocessed
 (images.py) on threads of their own, a few items at a time, so the steps of the requests
 already in the engine go on meanwhile. And only while the preprocessed images that live
 requests hold stay under a budget: a job of 10,000 images holds a window of them, not all
@@ -20,30 +25,79 @@ from .req import Req
 from .sampling_params import SamplingParams
 
 SLICE = 8  # items loaded together (their distinct URLs read at once)
+TEXT_SLICE = 16  # items tokenized together
 MAX_LOADING = 2  # slices in flight: the budget may be passed by at most these
 WAIT_S = 0.05  # how long a step with nothing else to do waits for a slice
 
 
 @dataclass(slots=True)
 class Pending:
-    """A chat item waiting for its images (what Front.add needs to fan it out later)."""
+    """An item on its way (what Front.add needs to fan it out later)."""
     tag: object
     group: int  # the add() call it came with (its rids' prefix)
     index: int
-    chat: list
+    chat: list | str  # a chat, or a text (TextIntake)
     params: SamplingParams
     seed: int  # the job seed
     sink: Callable | None
 
 
-class ImageIntake:
+class _Slices:
+    """Slices of items in flight on a pool, each with its future."""
+
+    def __init__(self):
+        self.loading: list[tuple[Future, list[Pending]]] = []
+
+    def _done(self, block: bool) -> list[tuple[list[Pending], object]]:
+        """The slices whose futures are done (`block`: wait a little for one first), each
+        with its result or the exception it raised."""
+        if block and self.loading and not any(f.done() for f, _ in self.loading):
+            wait([f for f, _ in self.loading], timeout=WAIT_S, return_when=FIRST_COMPLETED)
+        done, running = [], []
+        for x in self.loading:  # each future looked at once: it may finish meanwhile
+            (done if x[0].done() else running).append(x)
+        self.loading = running
+        return [(items, _result(f)) for f, items in done]
+
+    def _drop_loading(self, tag: object) -> list[Pending]:
+        """Forget tag's items in flight (an abort); the slice still runs, its other items kept."""
+        gone = []
+        for k, (f, items) in enumerate(self.loading):
+            gone += [p for p in items if p.tag == tag]
+            self.loading[k] = (f, [p for p in items if p.tag != tag])
+        return gone
+
+
+class TextIntake(_Slices):
+    def __init__(self, encode: Callable[[list[tuple]], list[tuple]]):
+        super().__init__()
+        self.encode = encode  # Encoder.encode of the thread's own encoder
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    def __len__(self) -> int:
+        return sum(len(items) for _, items in self.loading)
+
+    def put(self, items: list[Pending]) -> None:
+        for i in range(0, len(items), TEXT_SLICE):
+            part = items[i:i + TEXT_SLICE]
+            self.loading.append((self.pool.submit(self.encode, [(p.index, p.chat, None) for p in part]), part))
+
+    def ready(self, block: bool) -> list[tuple[list[Pending], list | Exception]]:
+        """The encoded slices: (items, (ids, image spans, error) per item, or an exception)."""
+        return self._done(block)
+
+    def drop(self, tag: object) -> list[Pending]:
+        return self._drop_loading(tag)
+
+
+class ImageIntake(_Slices):
     def __init__(self, chats: ChatEncoder, max_tokens: int, budget: int, threads: int = 2):
         self.chats = chats
         self.max_tokens = max_tokens  # the context: a chat whose images pass it is not decoded
         self.budget = budget  # bytes of preprocessed images that live requests may hold
+        super().__init__()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="images")
         self.queue: deque[Pending] = deque()
-        self.loading: list[tuple[Future, list[Pending]]] = []
         self.live: list[Req] = []  # requests holding preprocessed images
 
     def __len__(self) -> int:
@@ -75,27 +129,18 @@ class ImageIntake:
                 items = [self.queue.popleft() for _ in range(min(SLICE, len(self.queue)))]
                 chats = [p.chat for p in items]
                 self.loading.append((self.pool.submit(self.chats.load, chats, self.max_tokens), items))
-        if block and self.loading and not any(f.done() for f, _ in self.loading):
-            wait([f for f, _ in self.loading], timeout=WAIT_S, return_when=FIRST_COMPLETED)
-        done, running = [], []
-        for x in self.loading:  # each future looked at once: it may finish meanwhile
-            (done if x[0].done() else running).append(x)
-        self.loading = running
-        return [(items, _result(f)) for f, items in done]
+        return self._done(block)
 
     def drop(self, tag: object) -> list[Pending]:
         """Forget tag's items (an abort); a slice in flight is still loaded, its other
         items kept."""
         gone = [p for p in self.queue if p.tag == tag]
         self.queue = deque(p for p in self.queue if p.tag != tag)
-        for k, (f, items) in enumerate(self.loading):
-            gone += [p for p in items if p.tag == tag]
-            self.loading[k] = (f, [p for p in items if p.tag != tag])
-        return gone
+        return gone + self._drop_loading(tag)
 
 
-def _result(f: Future) -> dict | Exception:
-    """The slice's images, or what made loading them fail (its items fail with it)."""
+def _result(f: Future):
+    """The slice's result, or what made preparing it fail (its items fail with it)."""
     try:
         return f.result()
     except Exception as e:

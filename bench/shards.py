@@ -1,0 +1,223 @@
+"""One job on every worker: what shards buy a user with several workers, in one run.
+
+    python bench/shards.py                  # the tests' tiny model, 2 workers, 1 thread each
+
+1. scaling: one job of --items items vs the same items as 2 jobs (what a user did by hand
+   before shards), alternated --repeats times; wall time from the POSTs to the last
+   terminal status. Ratio one job / two jobs (target <= 1.2), and each worker's share of
+   the one job's samples (from the stream's attempt entries; target >= 30% each). The
+   same through the OpenAI batch routes (files + batches).
+2. outputs: the one job's samples (temperature 0.8, job seed) against the engine's in this
+   process: equal token for token whatever worker ran what.
+3. fairness: a 10-item job submitted behind a --huge-item job of the same priority: POST to
+   its first result and to its end, in shard-times (the mean time a shard of the
+   scaling job took).
+4. intake: POST to the first result of a 100-item job and of a 10,000-item job on idle
+   workers, and each worker's RSS growth over the big one.
+Redis is an embedded server. Results: stdout and bench/out/shards.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import httpx  # noqa: E402
+import redis  # noqa: E402
+
+from service import prompts, spawn, wait  # noqa: E402
+
+from results import events, keys  # noqa: E402
+from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def entries(conn, job_id: str) -> list[dict]:
+    return [events.decode(f) for _, f in conn.xrange(keys.stream(job_id))]
+
+
+def ended(http, job_id: str) -> bool:
+    return http.get(f"/v1/jobs/{job_id}").json()["status"] in events.TERMINAL
+
+
+def run_jobs(http, bodies: list[dict]) -> tuple[float, list[str]]:
+    t = time.perf_counter()
+    ids = [http.post("/v1/jobs", json=b).json()["id"] for b in bodies]
+    wait(lambda: all(ended(http, i) for i in ids), 1800, "the jobs")
+    return time.perf_counter() - t, ids
+
+
+def run_batches(http, files: list[bytes]) -> float:
+    t = time.perf_counter()
+    ids = []
+    for data in files:
+        f = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", data)}).json()
+        ids.append(http.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                  "completion_window": "24h"}).json()["id"])
+    wait(lambda: all(http.get(f"/v1/batches/{i}").json()["status"] in ("completed", "failed", "cancelled")
+                     for i in ids), 1800, "the batches")
+    return time.perf_counter() - t
+
+
+def batch_file(items: list[str], max_tokens: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "llama", "prompt": p, "max_tokens": max_tokens}}) + "\n"
+                   for i, p in enumerate(items)).encode()
+
+
+def first_result(conn, http, body: dict) -> tuple[float, str]:
+    t = time.perf_counter()
+    job_id = http.post("/v1/jobs", json=body).json()["id"]
+    last = "0"
+    while True:
+        resp = conn.xread({keys.stream(job_id): last}, block=1000)
+        for _, es in resp or []:
+            for entry_id, fields in es:
+                last = entry_id
+                if events.decode(fields)["type"] in (events.DELTA, events.FINAL):
+                    return time.perf_counter() - t, job_id
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", type=int, default=1200)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--huge-items", type=int, default=100_000)
+    args = ap.parse_args()
+
+    from worker.engine.models.tiny import build_tiny_model
+    model = build_tiny_model(os.path.join(tempfile.mkdtemp(), "llama"), arch="llama")
+    server = EmbeddedRedis()
+    env = {**os.environ, "REDIS_URL": server.url, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    api = spawn(["api", "--port", str(port)], env)
+    names = [f"bench-shards-{os.getpid()}-{k}" for k in range(2)]
+    workers = [spawn(["worker", "--model", model, "--device", "cpu", "--name", n,
+                      "--served-model-name", "llama"], env) for n in names]
+    conn = redis.Redis.from_url(server.url, decode_responses=True)
+    out: dict = {"items": args.items, "max_new_tokens": args.max_new_tokens}
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.8, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            def api_up():
+                try:
+                    return http.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+            wait(api_up, 60, "API start")
+            wait(lambda: all(conn.hget(f"rq:worker:{n}", "state") == "idle" for n in names), 300, "workers")
+            run_jobs(http, [{"prompts": prompts(64, seed=1), "sampling_params": sp}])  # warm up
+
+            # 1. scaling
+            one, two, shares, shard_times = [], [], [], []
+            for r in range(args.repeats):
+                work = prompts(args.items, seed=100 + r)
+                half = args.items // 2
+                s1, [job] = run_jobs(http, [{"prompts": work, "sampling_params": sp, "seed": 7}])
+                s2, _ = run_jobs(http, [{"prompts": work[:half], "sampling_params": sp, "seed": 7},
+                                        {"prompts": work[half:], "sampling_params": sp, "seed": 7}])
+                one.append(s1)
+                two.append(s2)
+                ran = {e["shard"]: (e["worker"], e["hi"] - e["lo"]) for e in entries(conn, job)
+                       if e["type"] == "attempt"}
+                share = Counter()
+                for w, n in ran.values():
+                    share[w] += n
+                shares.append({w: share[w] / args.items for w in names})
+                shard_times.append(s1 / len(ran) * 2)  # two workers run shards side by side
+                print(f"scaling  run {r}: one job {s1:.2f}s, two jobs {s2:.2f}s, ratio {s1 / s2:.2f}; "
+                      f"shares {', '.join(f'{v:.0%}' for v in shares[-1].values())}", flush=True)
+            ratios = [a / b for a, b in zip(one, two)]
+            out["scaling"] = {"one_job_s": one, "two_jobs_s": two, "ratios": ratios,
+                              "median_ratio": statistics.median(ratios), "shares": shares}
+
+            # ... and through the OpenAI batch routes
+            b_ratios = []
+            for r in range(args.repeats):
+                work = prompts(args.items, seed=200 + r)
+                half = args.items // 2
+                b1 = run_batches(http, [batch_file(work, args.max_new_tokens)])
+                b2 = run_batches(http, [batch_file(work[:half], args.max_new_tokens),
+                                        batch_file(work[half:], args.max_new_tokens)])
+                b_ratios.append(b1 / b2)
+                print(f"batches  run {r}: one batch {b1:.2f}s, two batches {b2:.2f}s, ratio {b1 / b2:.2f}",
+                      flush=True)
+            out["batches"] = {"ratios": b_ratios, "median_ratio": statistics.median(b_ratios)}
+
+            # 2. outputs against the engine in this process
+            from worker.engine import Engine, SamplingParams
+            engine = Engine(model, device="cpu")
+            work = prompts(args.items, seed=100)
+            ref = engine.generate(prompts=work, sampling_params=SamplingParams(**sp), seed=7)
+            _, [job] = run_jobs(http, [{"prompts": work, "sampling_params": sp, "seed": 7}])
+            got = {}
+            offset = 0
+            while offset is not None:
+                page = http.get(f"/v1/jobs/{job}/results", params={"offset": offset, "limit": 1000}).json()
+                got.update({it["index"]: it["samples"][0]["token_ids"] for it in page["items"]})
+                offset = page["next_offset"]
+            equal = sum(got[i] == it.samples[0].token_ids for i, it in enumerate(ref))
+            out["outputs_equal"] = f"{equal}/{len(ref)}"
+            print(f"outputs  {equal}/{len(ref)} items equal to the engine's in this process", flush=True)
+
+            # 3. fairness
+            shard_s = statistics.median(shard_times)
+            huge = http.post("/v1/jobs", json={"prompts": prompts(args.huge_items, seed=3),
+                                               "sampling_params": sp}).json()["id"]
+            wait(lambda: http.get(f"/v1/jobs/{huge}").json()["status"] == "running", 120, "the huge job")
+            t = time.perf_counter()
+            first, small = first_result(conn, http, {"prompts": prompts(10, seed=4), "sampling_params": sp})
+            wait(lambda: ended(http, small), 600, "the small job")
+            small_s = time.perf_counter() - t
+            big = http.get(f"/v1/jobs/{huge}").json()
+            http.post(f"/v1/jobs/{huge}/cancel")
+            wait(lambda: ended(http, huge), 60, "the cancel")
+            out["fairness"] = {"huge_items": args.huge_items, "first_result_s": first, "done_s": small_s,
+                               "shard_s": shard_s, "huge_done_items_then": big["progress"]["done"]}
+            print(f"fairness 10 items behind {args.huge_items}: first result {first:.2f}s, done {small_s:.2f}s "
+                  f"({small_s / shard_s:.1f} shard-times of {shard_s:.2f}s); the huge job had "
+                  f"{big['progress']['done']} items done", flush=True)
+
+            # 4. intake
+            ttfr = {}
+            for n in (100, 10_000):
+                before = [rss_mb(w.pid) for w in workers]
+                peak = list(before)
+                first, job = first_result(conn, http, {"prompts": prompts(n, seed=5 + n), "sampling_params": sp})
+                while not ended(http, job):
+                    peak = [max(p, rss_mb(w.pid)) for p, w in zip(peak, workers)]
+                    time.sleep(0.2)
+                ttfr[n] = {"first_result_s": first, "rss_growth_mb": [p - b for p, b in zip(peak, before)]}
+                print(f"intake   {n} items: first result {first * 1000:.0f} ms; worker RSS growth "
+                      f"{', '.join(f'{g:.0f}' for g in ttfr[n]['rss_growth_mb'])} MB", flush=True)
+            out["intake"] = ttfr
+    finally:
+        for p in (*workers, api):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(60)
+        conn.close()
+        server.stop()
+    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", "out", "shards.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"one job / two jobs: {out['scaling']['median_ratio']:.2f} (target <= 1.2); batches "
+          f"{out['batches']['median_ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Items -> token ids: texts in one tokenizer call, chats through their template (chat.py),
+token-id items as given; a text past what the context can hold is not tokenized
+(bound.py). Each item's error is its own.
+
+The engine's thread has one encoder (chats whose images were loaded), the text intake's
+thread another (`copy`): a tokenizer is not used by two threads at once.
+"""
+from __future__ import annotations
+
+import copy
+
+from .chat import ChatEncoder
+from .images import ImageSpan
+
+
+class Encoder:
+    def __init__(self, tokenizer, chats: ChatEncoder):
+        self.tokenizer = tokenizer
+        self.chats = chats
+
+    def copy(self) -> "Encoder":
+        """The same encoder on its own copy of the tokenizer, for another thread."""
+        tokenizer = copy.deepcopy(self.tokenizer)
+        c = self.chats
+        return Encoder(tokenizer, ChatEncoder(tokenizer, c.vision, c.sources, c.bound))
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        """Text items in one tokenizer call; token-id items as given."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if len(texts) == len(prompts):
+            return self.tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
+        return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
+                else list(p) for p in prompts]
+
+    def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
+        """(ids, image spans, error) per item (index, prompt or None, input_ids or None)."""
+        out: list = [None] * len(items)
+        plain = []
+        bound = self.chats.bound
+        for i, (_, prompt, _) in enumerate(items):
+            if isinstance(prompt, str) and bound and (error := bound.check(prompt)) is not None:
+                out[i] = ([], [], error)
+            elif not isinstance(prompt, list):
+                plain.append(i)
+        for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
+                                                else items[i][2] for i in plain])):
+            out[i] = (ids, [], None)
+        for i, (index, chat, _) in enumerate(items):
+            if isinstance(chat, list):
+                out[i] = self.encode_chat(index, chat)
+        return out
+
+    def encode_chat(self, index: int, chat: list, images: dict | Exception | None = None) -> tuple:
+        if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
+            why = f"{type(images).__name__}: {images}"
+            return [], [], f"messages[{index}]: its images could not be loaded ({why})"
+        try:
+            return (*self.chats.encode(chat, images), None)
+        except ValueError as e:
+            return [], [], f"messages[{index}]: {e}"
