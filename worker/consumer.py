@@ -1,34 +1,32 @@
-"""The worker process: one engine, loaded once, fed by many rq jobs at a time.
+"""The worker process: one engine, loaded once, fed by the shards of many jobs at a time.
 
 rq's fork-per-job execution does not fit a GPU that must batch requests from several
 jobs, so `Consumer` registers as an rq worker but runs its own loop:
 
     tick   heartbeats (worker, its model's entry in the served models, and each running
-           job's execution, which also tells whether a job was reaped meanwhile), reaping (jobs whose worker died), run_at scheduling,
-           rq's registry maintenance, timeouts
-    admit  while the engine has room: dequeue (high, normal, low priority), mark the job
-           started in rq, add its unfinished items to the engine under the job id
-    step   one engine step; its events for all jobs go to Redis in one transaction
-           (finished samples stored before they are announced) that also reads the running
-           jobs' cancel flags and the queue lengths: one round trip per step. A job whose
-           samples are all done moves to rq's finished registry and its stream is closed
+           shard's execution, which also tells whether a shard was reaped meanwhile),
+           reaping (shards whose worker died: worker/reaper.py), run_at scheduling, rq's
+           registry maintenance, timeouts
+    admit  while the engine has room: dequeue a shard (high, normal, low priority), claim
+           it (worker/shards.py), read its slice of the job's items and add the unfinished
+           ones to the engine under the shard's id
+    step   one engine step; its events for all shards go to Redis in one transaction
+           (worker/publish.py), which also reads the cancel flags and the queue lengths:
+           one round trip per step. A shard whose samples are all done ends (settle), and
+           the job with it if it was the last
 
-A job's execution expires `heartbeat_ttl` seconds after its worker's last heartbeat (sent
-every third of that); every worker looks for expired ones (worker/reaper.py) every
-REAP_INTERVAL seconds and retries their job (it resumes on a live worker), fails it (no retries left: the stream gets
-its terminal entry) or cancels it (a cancel was requested).
+Where the rest is: a shard's transitions in Redis, each one transaction with its
+invariants: worker/shards.py; publishing a step: worker/publish.py; riding out Redis
+outages: worker/outage.py; dead workers' shards: worker/reaper.py.
 
-Redis outages: the loop pauses (the engine keeps its state: nothing leaves this process
-but through Redis) and retries with backoff; each write that must not apply twice checks,
-after a lost connection, whether it applied (a marker key for the step transaction, this
-worker's execution in the started registry for a job's start and end). Once Redis is
-back, the first heartbeat drops the jobs that were reaped meanwhile (an outage longer than
-the TTL): they run elsewhere.
+Invariants here: `active` holds exactly the shards this worker has claimed and not
+settled, each with its requests in the engine under its tag; every request of a shard
+leaves the engine (done, aborted) before the shard is settled or dropped.
 
-SIGTERM (or SIGINT): stop taking jobs, let running ones finish for `drain_timeout`
-seconds, then hand the rest back (requeued at the front, status `queued`); a second
-signal hands back at once. A handed-back or retried job resumes: samples already stored
-are not recomputed, and the rest are regenerated with the same seed.
+SIGTERM (or SIGINT): stop taking shards, let running ones finish for `drain_timeout`
+seconds, then hand the rest back (requeued at the front); a second signal hands back at
+once. A handed-back or retried shard resumes: samples already stored are not recomputed,
+and the rest are regenerated with the same seed.
 """
 from __future__ import annotations
 
@@ -38,25 +36,24 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq import Queue, worker_registration
 from rq.exceptions import DequeueTimeout
 from rq.job import Job
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
-from rq.utils import as_text, now
+from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from results import keys, store
 from results.publisher import Batch
 
 from . import reaper, shards
+from .outage import REDIS_DOWN, Outages
+from .publish import Active, Publishing
 from .engine import Engine, EngineError
 from .logs import JobLog
 from .metrics import WorkerMetrics
@@ -65,9 +62,7 @@ from .spec import QUEUE_ORDER, Shard
 
 log = logging.getLogger("fanout.worker")
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 REAP_INTERVAL = 2.0  # seconds between looks for expired executions: one ZRANGEBYSCORE per queue
-MAX_BACKOFF = 5.0  # seconds between tries while Redis is away
 
 
 def fanout_job(spec: dict) -> None:  # noqa: ARG001
@@ -84,34 +79,7 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-@dataclass(slots=True)
-class Active:
-    """A shard whose requests are in the engine (under the tag of its rq job id)."""
-    claim: shards.Claim
-    left: dict[int, int]  # item index -> samples not finished yet
-    remaining: int  # samples to finish in this attempt
-    deadline: float  # monotonic time of the job timeout
-    stored: int = 0  # samples this attempt stored (an attempt that stored some is no poison)
-    failed_items: set[int] = field(default_factory=set)
-    # Unsent deltas: text, token ids, logprobs records (None when not asked).
-    pending: dict[tuple[int, int], tuple[str, list[int], list[dict] | None]] = field(default_factory=dict)
-    streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
-    max_batch_jobs: int = 0
-    custom_ids: list[str | None] | None = None  # per item of the shard, for its stream entries
-
-    @property
-    def tag(self) -> str:
-        return self.claim.job.id
-
-    @property
-    def job_id(self) -> str:
-        return self.claim.job_id
-
-    def custom_id(self, index: int) -> str | None:
-        return self.custom_ids[index - self.claim.lo] if self.custom_ids else None
-
-
-class Consumer(BaseWorker):
+class Consumer(Outages, Publishing, BaseWorker):
     def __init__(self, engine: Engine, connection, settings: Settings, queues=None,
                  name: str | None = None, drain_timeout: float = 30.0, delta_interval: float = 0.1,
                  model: str = "model"):
@@ -277,98 +245,6 @@ class Consumer(BaseWorker):
         if self.connection.lpos(queue.key, job_id) is None:
             self.connection.lpush(queue.key, job_id)
 
-    # -- Redis outages -------------------------------------------------------------
-
-    def wait_for_redis(self, error: Exception) -> None:
-        """Pause until Redis answers again: one log line per try, the tries further apart
-        each time. The engine keeps its state; once Redis is back, the next heartbeat first
-        checks that our jobs were not reaped meanwhile. If Redis came back without writes it
-        had acknowledged (a host crash before its append-only file was synced, or no
-        persistence), the running jobs are dropped here: they resume from what Redis kept
-        once their executions expire."""
-        delay, since = 0.25, time.monotonic()
-        self.metrics.redis_outages.inc()
-        while True:
-            if self._stop_requested and self._drain_until is not None and time.monotonic() >= self._drain_until:
-                # No hand-back without Redis: the jobs are retried elsewhere once their
-                # executions expire.
-                for a in list(self.active.values()):
-                    self.engine.abort(a.tag)
-                self.active.clear()
-                raise SystemExit(f"fanout worker: redis unavailable at shutdown ({error}); running jobs "
-                                 "are retried elsewhere once their heartbeat expires")
-            log.warning("redis unavailable (%s): paused; next try in %.2fs", error, delay)
-            time.sleep(delay)
-            try:
-                seen = self.connection.get(self._marker)
-                break
-            except REDIS_DOWN as e:
-                error, delay = e, min(delay * 2, MAX_BACKOFF)
-        log.warning("redis is back after %.1fs; resuming", time.monotonic() - since)
-        self.metrics.redis_outage_seconds.inc(time.monotonic() - since)
-        self._next_beat = 0.0
-        seen = as_text(seen) if seen is not None else None
-        if seen is not None and seen == self._sending:
-            self._sent = seen  # the step transaction in flight applied; only its reply was lost
-        elif seen != self._sent:
-            self._sent = seen
-            if self.active:
-                log.error("redis came back without writes it had acknowledged: dropping %d running jobs; "
-                          "they resume from what redis kept once their heartbeat expires", len(self.active))
-            for a in list(self.active.values()):
-                self.drop(a)
-
-    def retrying(self, fn, *args, **kwargs):
-        """fn(...) until Redis answers it: only for calls that may run twice."""
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except REDIS_DOWN as e:
-                self.wait_for_redis(e)
-
-    def guard(self, fn, *args):
-        """fn(*args), or None after waiting out a Redis outage. Only housekeeping that may run
-        again comes here (reads, heartbeats, reaping, rq's scheduler and maintenance,
-        dequeues); writes that must apply once are retried where they are made."""
-        try:
-            return fn(*args)
-        except REDIS_DOWN as e:
-            self.wait_for_redis(e)
-            return None
-
-    def send(self, batch: Batch) -> list | None:
-        """Send `batch` exactly once, across Redis outages. Returns the answers of its reads,
-        or None if it was dropped: one of its jobs was reaped during a long outage (the
-        others are handed back: they resume from what Redis stored), or Redis lost writes
-        (see wait_for_redis)."""
-        self._sends += 1
-        self._sending = mark = str(self._sends)
-        batch.pipe.set(self._marker, mark, ex=24 * 3600)
-        holding = list(self.active)
-        try:
-            while True:
-                try:
-                    answers = batch.send()
-                    self._sent = mark
-                    return answers
-                except REDIS_DOWN as e:
-                    self.wait_for_redis(e)  # it reads the marker
-                if self._sent == mark:
-                    return self.retrying(self._read, batch)
-                self.retrying(self.beat)
-                if any(tag not in self.active for tag in holding):
-                    for a in [a for a in self.active.values() if a.job_id in batch.jobs]:
-                        self.hand_back(a, "redis was unavailable for too long; shard handed back")
-                    return None
-        finally:
-            self._sending = None
-
-    def _read(self, batch: Batch) -> list:
-        with self.connection.pipeline(transaction=False) as pipe:
-            for command, args in batch.reads:
-                getattr(pipe, command)(*args)
-            return pipe.execute()
-
     # -- heartbeats and reaping ------------------------------------------------------
 
     def beat(self) -> None:
@@ -487,83 +363,6 @@ class Consumer(BaseWorker):
             # bad chat or image fails its item alone, in the engine's events.
             return (index, [m.chat_dict() for m in item], None)
         return (index, None, item)  # the engine fails an item with an id outside the vocabulary
-
-    def record(self, batch: Batch, a: Active, index: int, sample: int, rec: dict,
-               text_delta: str = "", ids_delta: list[int] | None = None) -> None:
-        """Store and announce one finished sample."""
-        a.left[index] -= 1
-        a.remaining -= 1
-        a.stored += 1
-        if rec["finish_reason"] == "error":
-            a.failed_items.add(index)
-        self.metrics.sample(rec["finish_reason"], rec["usage"])
-        batch.final(a.job_id, index, sample, text_delta, ids_delta or [], rec,
-                    item_done=a.left[index] == 0, item_failed=index in a.failed_items,
-                    custom_id=a.custom_id(index))
-
-    def publish(self, events: list) -> bool:
-        """One step's events -> one Redis transaction, which also reads the cancel flags and
-        the queue lengths; then finish the completed shards and cancel the flagged ones.
-        Returns whether shards are waiting in the queues."""
-        if time.monotonic() >= self._next_beat:  # after a long step: are the shards still ours?
-            self.retrying(self.beat)
-        batch = Batch(self.connection)
-        in_step = {ev.tag for ev in events if ev.tag in self.active}
-        jobs_in_step = {self.active[t].job_id for t in in_step}
-        for job_id in jobs_in_step:
-            batch.counts[job_id]["steps"] += 1
-        for tag in in_step:
-            a = self.active[tag]
-            if len(jobs_in_step) > a.max_batch_jobs:
-                a.max_batch_jobs = len(jobs_in_step)
-                batch.at_least(a.job_id, "max_batch_jobs", a.max_batch_jobs)
-        for ev in events:
-            a = self.active.get(ev.tag)
-            if a is None or (ev.index, ev.sample) in a.claim.stored:
-                continue  # a canceled / handed-back shard, or a sample stored by an earlier attempt
-            key = (ev.index, ev.sample)
-            text, ids, lps = a.pending.pop(key, ("", [], None))
-            text, ids = text + ev.text_delta, ids + ev.token_ids_delta
-            if ev.logprobs_delta is not None:
-                lps = (lps or []) + ev.logprobs_delta
-            if not ev.finished:
-                if key not in a.streaming:  # a sample's first tokens go out at once
-                    a.streaming.add(key)
-                    batch.delta(a.job_id, ev.index, ev.sample, text, ids, lps, a.custom_id(ev.index))
-                elif text or ids:
-                    a.pending[key] = (text, ids, lps)
-                continue
-            usage = None
-            if ev.usage is not None:
-                usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
-                         "completion_tokens": ev.usage.completion_tokens}
-            rec = store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
-                                      ev.logprobs)
-            self.record(batch, a, ev.index, ev.sample, rec, text, ids)
-        t = time.monotonic()
-        if t >= self._next_flush:
-            self._next_flush = t + self.delta_interval
-            for a in self.active.values():
-                for (index, sample), (text, ids, lps) in a.pending.items():
-                    batch.delta(a.job_id, index, sample, text, ids, lps, a.custom_id(index))
-                a.pending.clear()
-        tags = list(self.active)
-        if tags:
-            batch.read("mget", [keys.cancel(self.active[t].job_id) for t in tags])
-        for q in self.queues:
-            batch.read("llen", q.key)
-        answers = self.send(batch)
-        if answers is None:
-            return False
-        for tag in in_step:
-            a = self.active.get(tag)
-            if a is not None and a.remaining == 0:
-                self.succeed(a)
-        if tags:
-            for tag, flag in zip(tags, answers[0]):
-                if flag is not None and tag in self.active:
-                    self.cancel(self.active[tag])
-        return any(answers[-len(self.queues):])
 
     def _done(self, a: Active) -> None:
         del self.active[a.tag]
