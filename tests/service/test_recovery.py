@@ -169,9 +169,10 @@ def test_a_live_workers_jobs_are_never_reaped(service):
 
 
 def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, engine):
-    """kill -9 of three workers in turn, each mid-job (a job with 3 retries): every sample is
-    final exactly once, nothing stored is recomputed, and the outputs equal an uninterrupted
-    run; each attempt starts within the TTL (4 s here) plus a few seconds of its kill."""
+    """kill -9 of three workers in turn, each mid-job, with the default retries (2): every
+    attempt stored samples, so none is a strike and the job succeeds; every sample is final
+    exactly once, nothing stored is recomputed, and the outputs equal an uninterrupted run;
+    each attempt starts within the TTL (4 s here) plus a few seconds of its kill."""
     r = service["redis"]
     for w in service["live"]:  # only the workers this test starts and kills
         if w.proc and w.proc.alive():
@@ -179,7 +180,8 @@ def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, en
     params = [{**LONG, "max_new_tokens": 4 + 6 * i} for i in range(32)]  # items end one by one
     prompts = [f"line {i}: a job that dies three times" for i in range(32)]
     job = jobs.submit(r, JobRequest(prompts=prompts, sampling_params=params, seed=11),
-                      Settings(result_ttl=3600, job_retries=3))["id"]
+                      Settings(result_ttl=3600))["id"]
+    assert Settings().job_retries == 2
     ttl = {"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)}
     kills = []
     for k, stored in enumerate((6, 14, 22)):
@@ -212,3 +214,34 @@ def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, en
     got = {(it["index"], s["sample"]): s["token_ids"]
            for it in Client(service["api"]).results(job) for s in it["samples"]}
     assert got == {(it.index, j): s.token_ids for it in ref for j, s in enumerate(it.samples)}
+
+
+def test_a_job_that_kills_its_worker_every_time_fails_as_poison(service, model_dir):
+    """Each attempt dies before it stores anything (as a job that crashes its worker would):
+    each is a strike, and after FANOUT_JOB_RETRIES + 1 of them (3 by default) the job fails,
+    naming why, instead of taking worker after worker down."""
+    r = service["redis"]
+    for w in service["live"]:
+        if w.proc and w.proc.alive():
+            w.stop()
+    job = jobs.submit(r, JobRequest(prompts=["a prompt that never gets far"],
+                                    sampling_params={**LONG, "max_new_tokens": 900}),
+                      Settings(result_ttl=3600))["id"]
+    ttl = {"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)}
+    for k in range(3):
+        w = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)
+        w.start()
+        wait_for(lambda: sum(e["type"] == "attempt" for e in entries(r, job)) == k + 1, 60,
+                 f"attempt {k + 1} to start", interval=0.01)
+        w.stop(signal.SIGKILL)
+        assert r.hlen(keys.results(job)) == 0
+    reaper = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)  # reaps the third
+    reaper.start()
+    try:
+        follow = list(reader.follow(r, job, timeout=60))
+    finally:
+        reaper.stop()
+    end = follow[-1][1]
+    assert end["status"] == "failed", end
+    assert "stopped sending heartbeats" in end["error"] and "failed 3 attempts that stored nothing" in end["error"]
+    assert sum(e["type"] == "attempt" for _, e in follow) == 3  # no fourth attempt

@@ -178,3 +178,34 @@ def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
         assert handed and all(e["worker"] == staying.name for e in handed)
         assert outputs(client, job_id) == reference(engine, PROMPTS[:48], params, seed=12)
     leaving.start()
+
+
+def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
+    """{"prompts": ["x"] * 10000, n: 64, max_new_tokens: 4096}: 640,000 samples from a 50 KB
+    body, 10,000 shards of one item. Each worker holds what its engine runs (a window of the
+    rest is queued), its loop keeps stepping and heartbeating, and the cancel acts at once.
+    (A full engine takes no other job's shard until one of its own ends: how soon a small
+    job starts behind a huge one is test_a_small_job_behind_a_huge_one_...)."""
+    r = fleet["redis"]
+    huge = jobs.submit(r, JobRequest(prompts=["x"] * 10000, sampling_params={"n": 64, "max_new_tokens": 4096}),
+                       SHARDS)["id"]
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: len(client.status(huge)["shards"]["workers"]) == 2, 60, "both workers to take shards")
+        info = client.status(huge)
+        assert info["progress"]["samples"] == 640_000 and info["shards"]["total"] == 10_000
+        assert info["shards"]["queued"] <= SHARDS.shard_window
+        # The workers' heartbeats keep coming (every third of the TTL) while they run it.
+        def beats():
+            return [r.hget(f"rq:worker:{w.name}", "last_heartbeat") for w in fleet["workers"]]
+        before, entries_before = beats(), r.xlen(keys.stream(huge))
+        time.sleep(TTL)
+        assert all(b is not None and a > b for a, b in zip(beats(), before)), (before, beats())
+        assert r.xlen(keys.stream(huge)) > entries_before  # steps go on: deltas keep coming
+        assert client.status(huge)["shards"]["running"] >= 2
+        t = time.monotonic()
+        assert client.cancel(huge)["status"] == "running"
+        wait_for(lambda: client.status(huge)["status"] == "canceled", 30, "the cancel", interval=0.02)
+        took = time.monotonic() - t
+        wait_for(lambda: client.status(huge)["shards"]["running"] == 0, 10, "every shard to stop")
+    assert not any(Job.exists(f"{huge}-{k}", connection=r) for k in range(64))
+    print(f"640,000-sample job: canceled {took:.2f}s after the request")
