@@ -28,9 +28,9 @@ class WorkerMetrics:
 
         self.step_seconds = Histogram("fanout_step_seconds", "Wall time of one engine step", ["worker"],
                                       buckets=STEP_BUCKETS, registry=self.registry).labels(name)
-        self._attempts = counter("fanout_job_attempts", "Job attempts this worker ended, by outcome: "
+        self._attempts = counter("fanout_job_attempts", "Shard attempts this worker ended, by outcome: "
                                  "succeeded, failed, retried, canceled, handed_back, dropped", "outcome")
-        self._reaped = counter("fanout_reaped_jobs", "Jobs of dead workers this worker reaped, by outcome: "
+        self._reaped = counter("fanout_reaped_jobs", "Shards of dead workers this worker reaped, by outcome: "
                                "retried, failed, canceled", "outcome")
         self._samples = counter("fanout_samples", "Samples finished, by finish_reason", "finish_reason")
         self.prompt_tokens = counter("fanout_prompt_tokens", "Prompt tokens of finished samples").labels(name)
@@ -92,5 +92,5 @@ class _EngineState:
                      total - free - cached)
         yield family(GaugeMetricFamily, "fanout_kv_pages_cached", "KV pages in the prefix cache "
                      "(some shared by running requests; the rest evicted when needed)", cached)
-        yield family(GaugeMetricFamily, "fanout_jobs_in_flight", "Jobs whose requests are in the engine",
+        yield family(GaugeMetricFamily, "fanout_jobs_in_flight", "Shards whose requests are in the engine",
                      len(self.consumer.active))
