@@ -31,8 +31,8 @@ def custom_ids(job_id: str) -> str:
 
 
 def items(job_id: str) -> str:
-    """List of the job's items, one JSON entry each, in index order: a shard reads its
-    slice (LRANGE); deleted when the job ends."""
+    """List of the job's items, one element per shard (the JSON array of its items'
+    entries, worker.spec.JobSpec.layout): shard k reads element k; deleted when the job ends."""
     return f"{PREFIX}:job:{job_id}:items"
 
 

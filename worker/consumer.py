@@ -347,10 +347,10 @@ class Consumer(Outages, Publishing, BaseWorker):
     def read_shard(self, c: shards.Claim) -> Shard:
         """The shard's items from the job's item list."""
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.lrange(keys.items(c.job_id), c.lo, c.hi - 1)
+            pipe.lindex(keys.items(c.job_id), c.k)
             pipe.lrange(keys.custom_ids(c.job_id), c.lo, c.hi - 1)
             entries, custom = pipe.execute()
-        if len(entries) != c.hi - c.lo:
+        if entries is None:
             raise ValueError(f"the job's items {c.lo}-{c.hi - 1} are gone (the job expired?)")
         return Shard.read(c.info["kind"], int(c.info["seed"]), c.info.get("params"), entries, custom, c.lo)
 

@@ -1,10 +1,10 @@
 """A job's shards in Redis: how a job is cut, queued, claimed and ended, by the API
 (`create`), the workers (`claim`, `settle`) and the reapers (`settle`).
 
-At submit a job's items go to its item list and the job is cut into shards of about
-FANOUT_SHARD_SAMPLES samples (worker.spec.plan). A shard travels as an rq job
-`<job id>-<k>` whose arguments name the job and k; its worker reads the shard's slice of
-the item list. A job keeps at most `window` shards queued: the first ones are enqueued at
+At submit the job is cut into shards of about FANOUT_SHARD_SAMPLES samples
+(worker.spec.plan) and its items go to its item list, one element per shard (the JSON
+array of its items' entries). A shard travels as an rq job `<job id>-<k>` whose arguments
+name the job and k; its worker reads element k. A job keeps at most `window` shards queued: the first ones are enqueued at
 submit and every claim releases the next, so a job of a million items holds a window of
 the queue, and jobs of one priority take turns (a job submitted behind a huge one waits
 for `window` of its shards to be taken, not for all of them).
@@ -49,7 +49,7 @@ from .settings import Settings
 from .spec import JOB_FUNC, QUEUES, JobSpec, plan
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
-RPUSH_CHUNK = 10_000  # item entries per RPUSH
+RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
 
 # Claim bookkeeping on the job's info hash, in the claim's transaction: the job's attempt
 # count (1 + the retries of its shards), its start time, and `running` on the stream when
@@ -89,8 +89,11 @@ def create(pipe, q: Queue, job_id: str, spec: JobSpec, settings: Settings,
     bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
     total = len(bounds) - 1
     first = min(total, settings.shard_window)
-    for i in range(0, len(entries), RPUSH_CHUNK):
-        pipe.rpush(keys.items(job_id), *entries[i:i + RPUSH_CHUNK])
+    # One list element per shard (a JSON array of its items' entries): a shard reads one
+    # element, and a 100,000-item job is a few thousand values to send, not 100,000.
+    chunks = ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(total)]
+    for i in range(0, total, RPUSH_CHUNK):
+        pipe.rpush(keys.items(job_id), *chunks[i:i + RPUSH_CHUNK])
     pipe.hset(keys.shards(job_id), mapping={"total": total, "window": settings.shard_window,
                                             "retries": settings.job_retries, "released": first,
                                             "ended": 0})

@@ -101,7 +101,7 @@ def test_a_payload_that_does_not_parse_fails_at_once_without_retry(redis, worker
     req = JobRequest(prompts=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}], priority="high",
                      run_at=datetime.now(timezone.utc) + timedelta(seconds=2))
     job_id = jobs.submit(redis, req, Settings(result_ttl=3600, job_retries=2))["id"]
-    redis.lset(keys.items(job_id), 0, json.dumps({"x": "a", "p": {"n": "two"}}))
+    redis.lset(keys.items(job_id), 0, json.dumps([{"x": "a", "p": {"n": "two"}}, {"x": "b", "p": {"n": 2}}]))
     events = follow(redis, job_id, timeout=30)
     assert events[-1][1]["status"] == "failed"
     assert "sampling_params.0.n" in events[-1][1]["error"], events
