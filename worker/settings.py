@@ -7,14 +7,17 @@ import os
 from dataclasses import dataclass
 
 
-def _int(name: str, default: int) -> int:
+def _int(name: str, default: int, least: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(f"{name}: must be an integer, got {raw!r}") from None
+    if least is not None and value < least:
+        raise ValueError(f"{name}: must be at least {least}, got {value}")
+    return value
 
 
 @dataclass(slots=True)
@@ -60,8 +63,8 @@ class Settings:
             job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
             heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),
-            shard_samples=_int("FANOUT_SHARD_SAMPLES", d.shard_samples),
-            shard_window=_int("FANOUT_SHARD_WINDOW", d.shard_window),
+            shard_samples=_int("FANOUT_SHARD_SAMPLES", d.shard_samples, least=1),
+            shard_window=_int("FANOUT_SHARD_WINDOW", d.shard_window, least=1),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
             batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),

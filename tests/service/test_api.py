@@ -1,4 +1,5 @@
 """The HTTP API on its own: validation, lookups, idempotency, cancel before start, OpenAPI."""
+import os
 from datetime import datetime, timedelta, timezone
 
 import httpx
@@ -227,3 +228,12 @@ def test_openapi_documents_every_response(http):
     assert http.get("/healthz").json() == {"status": "ok", "redis": "ok"}
 
 
+
+
+def test_shard_settings_out_of_bounds_stop_the_api_naming_them(redis_url):
+    import subprocess
+    import sys
+    for name in ("FANOUT_SHARD_SAMPLES", "FANOUT_SHARD_WINDOW"):
+        p = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", "1", "--redis-url", redis_url],
+                           env={**os.environ, name: "0"}, capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0 and f"{name}: must be at least 1, got 0" in p.stderr, (p.returncode, p.stderr)
