@@ -209,3 +209,23 @@ def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
         wait_for(lambda: client.status(huge)["shards"]["running"] == 0, 10, "every shard to stop")
     assert not any(Job.exists(f"{huge}-{k}", connection=r) for k in range(64))
     print(f"640,000-sample job: canceled {took:.2f}s after the request")
+
+
+def test_a_30_mb_prompt_fails_its_item_at_once_and_the_rest_runs(fleet):
+    """A prompt of 30 MB (under the default 32 MiB body limit) used to hold a worker's loop
+    for minutes while it was tokenized; now its item fails untokenized, at once, naming
+    why, and its batch-mates and other jobs run as usual."""
+    r = fleet["redis"]
+    job_id = jobs.submit(r, JobRequest(prompts=["x" * (30 * 1024 * 1024), "a short one"],
+                                       sampling_params={"max_new_tokens": 4}), SHARDS)["id"]
+    other = submit(r, PROMPTS[:4], {"max_new_tokens": 4})
+    with Client(fleet["api"]) as client:
+        t = time.monotonic()
+        wait_for(lambda: client.status(job_id)["status"] == "succeeded", 60, "the job", interval=0.05)
+        took = time.monotonic() - t
+        wait_for(lambda: client.status(other)["status"] == "succeeded", 30, "the other job", interval=0.05)
+        items = client.results(job_id)
+    big, small = items[0]["samples"][0], items[1]["samples"][0]
+    assert big["finish_reason"] == "error" and "it was not tokenized" in big["error"], big["error"]
+    assert small["finish_reason"] == "length" and len(small["token_ids"]) == 4
+    print(f"30 MB prompt through the service: job done {took:.2f}s after submit")
