@@ -70,7 +70,7 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
     q = queue(redis, req.priority)
     info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": spec.seed,
             "priority": req.priority, "metadata": json.dumps(req.metadata), "state": status,
-            "created_at": _iso(datetime.now(timezone.utc))}
+            "created_at": progress.timestamp()}
     if req.run_at:
         info["run_at"] = req.run_at.isoformat()
     slots = keys.inflight(tenant.id) if tenant else None
@@ -125,10 +125,6 @@ def _text(v) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _iso(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def status_of(redis, job_id: str) -> tuple[str, dict[str, str | None]]:
     """(status, timestamps: created_at, started_at, ended_at). The terminal status once the
     job is closed, else its state (queued, scheduled, running). Raises JobNotFound."""
@@ -155,7 +151,7 @@ def owned(redis, job_id: str, tenant: Tenant | None) -> None:
 
 def describe(redis, job_id: str) -> dict[str, Any]:
     """The JobInfo body. Raises JobNotFound."""
-    status, rq = status_of(redis, job_id)
+    status, times = status_of(redis, job_id)
     info = progress.read(redis, job_id)
     if info is None:
         raise JobNotFound(job_id)
@@ -170,7 +166,7 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
         "error": error, "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
         "model": info["model"], "stream": keys.stream(job_id), "run_at": info["run_at"],
-        "created_at": rq["created_at"], "started_at": rq["started_at"], "ended_at": rq["ended_at"],
+        "created_at": times["created_at"], "started_at": times["started_at"], "ended_at": times["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
         "shards": shard_counts(redis, job_id, status),
     }

@@ -3,12 +3,18 @@ bumps them in the same transaction that stores the finished samples)."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from typing import Any
 
 from . import keys
 
 _INTS = ("total", "samples", "done", "failed", "samples_done", "prompt_tokens",
          "cached_tokens", "completion_tokens", "attempt", "seed", "steps", "max_batch_jobs")
+
+
+def timestamp() -> str:
+    """Now, as the info hash's created_at / started_at / ended_at read (UTC, ISO 8601)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def read(redis, job_id: str) -> dict[str, Any] | None:

@@ -10,7 +10,6 @@ gets there first, and sets the expiry of all the job's keys.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from datetime import datetime, timezone
 
 from . import events, keys, progress, store
 
@@ -120,7 +119,7 @@ class Batch:
 
 def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     fields = events.status(status, **extra)
-    argv = [ttl, status, datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")]
+    argv = [ttl, status, progress.timestamp()]
     argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
           keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),

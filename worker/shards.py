@@ -41,9 +41,9 @@ from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from rq.utils import as_text, now, utcformat
+from rq.utils import as_text
 
-from results import events, keys, publisher, store
+from results import events, keys, progress, publisher, store
 
 from .settings import Settings
 from .spec import JOB_FUNC, QUEUES, JobSpec, plan
@@ -170,7 +170,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                                               "stored": len(stored)}))
                 pipe.hincrby(counters, f"claims:{k}", 1)
                 pipe.xadd(keys.stream(job_id), events.attempt(attempt, worker, k, lo, hi))
-                pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, utcformat(now()))
+                pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, progress.timestamp())
                 _release(redis, pipe, job_id, c, running + 1, info["priority"], job.timeout)
                 pipe.execute()
             break

@@ -20,6 +20,12 @@ LIMITS = {"FANOUT_MAX_BATCH": "64", "FANOUT_MAX_NEW_TOKENS": "1000", "FANOUT_MAX
           "FANOUT_MAX_BODY_BYTES": "200000", "FANOUT_RESULT_TTL": "3600", "FANOUT_SSE_KEEPALIVE": "1"}
 
 
+def entries(r, job_id) -> list[dict]:
+    """The job's stream entries, decoded, in order."""
+    from results import events, keys
+    return [events.decode(f) for _, f in r.xrange(keys.stream(job_id))]
+
+
 def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

@@ -12,7 +12,7 @@ from rq.job import Job
 
 from api import jobs
 from api.schemas import JobRequest
-from conftest import WorkerProc, start_api, wait_for
+from conftest import WorkerProc, entries, start_api, wait_for
 from results import keys, reader
 from results.client import Client
 from worker.redis_server import EmbeddedRedis
@@ -41,10 +41,6 @@ def service(model_dir, tmp_path_factory):
     api.stop()
     r.close()
     server.stop()
-
-
-def entries(r, job_id):
-    return [reader.events.decode(f) for _, f in r.xrange(keys.stream(job_id))]
 
 
 def terminal(r, job_id):

@@ -115,14 +115,16 @@ class Front:
         """Fan out the items the intakes have encoded: texts and chats (their thread), and
         chats whose images were loaded (encoded here). `block`: the engine has nothing else
         to do, so wait a little for them."""
-        for items, encoded in self.text.ready(block and not len(self.intake)):
+        waiting_text = len(self.text) > 0  # wait on one intake, not spin between two
+        for items, encoded in self.text.ready(block and waiting_text):
+            if not items:  # aborted while it was encoded (a slice is one add() call's: all or none)
+                continue
             if isinstance(encoded, Exception):  # the encoder itself failed: the slice's items fail
                 encoded = [([], [], f"encoding failed: {type(encoded).__name__}: {encoded}")] * len(items)
-            first = items[0] if items else None
-            if first is not None:
-                self._fan_out(first.tag, first.group, [(it.index, *enc, it.params)
-                                                       for it, enc in zip(items, encoded)], first.seed, first.sink)
-        for items, images in self.intake.ready(block and not len(self.text)):
+            first = items[0]
+            self._fan_out(first.tag, first.group, [(it.index, *enc, it.params)
+                                                   for it, enc in zip(items, encoded)], first.seed, first.sink)
+        for items, images in self.intake.ready(block and not waiting_text):
             for it in items:
                 enc = self.encoder.encode_chat(it.index, it.chat, images)
                 self.intake.hold(self._fan_out(it.tag, it.group, [(it.index, *enc, it.params)],

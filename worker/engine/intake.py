@@ -78,6 +78,8 @@ class TextIntake(_Slices):
         return sum(len(items) for _, items in self.loading)
 
     def put(self, items: list[Pending]) -> None:
+        """One add() call's items: a slice never mixes calls, so an abort (one tag) drops a
+        slice whole and the encoded results stay aligned with the items left."""
         for i in range(0, len(items), TEXT_SLICE):
             part = items[i:i + TEXT_SLICE]
             self.loading.append((self.pool.submit(self.encode, [(p.index, p.chat, None) for p in part]), part))
