@@ -9,7 +9,11 @@ jobs, so `Consumer` registers as an rq worker but runs its own loop:
            registry maintenance, timeouts
     admit  while the engine has room: dequeue a shard (high, normal, low priority), claim
            it (worker/shards.py), read its slice of the job's items and add the unfinished
-           ones to the engine under the shard's id
+           ones to the engine under the shard's id (the job is their owner: the engine
+           shares its slots fairly between jobs). A full engine still takes a shard of a
+           job it runs nothing of, from the head of the first queue that holds shards, so
+           a small job starts beside a huge one (the engine retracts some of the huge
+           one's samples to give it its share)
     step   one engine step; its events for all shards go to Redis in one transaction
            (worker/publish.py), which also reads the cancel flags and the queue lengths:
            one round trip per step. A shard whose samples are all done ends (settle), and
@@ -41,11 +45,11 @@ from typing import Any
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from rq import Queue, worker_registration
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.job import Job
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
-from rq.utils import now
+from rq.utils import as_text, now
 from rq.worker import BaseWorker, WorkerStatus
 
 from results import keys, store
@@ -159,8 +163,12 @@ class Consumer(Outages, Publishing, BaseWorker):
                         self.fail(a, exc, abort=False)
                     raise
                 self.metrics.step_seconds.observe(time.perf_counter() - t)
-                if self.publish(events) and not self._stop_requested:
-                    self.guard(self.admit, False)  # jobs are waiting: join them to the batch
+                queued, heads = self.publish(events)
+                if queued and not self._stop_requested:  # shards are waiting: join them to the batch
+                    if heads is None:
+                        self.guard(self.admit, False)
+                    else:
+                        self.guard(self.admit_new_job, heads)
         finally:
             for a in list(self.active.values()):
                 self.hand_back(a)
@@ -223,7 +231,7 @@ class Consumer(Outages, Publishing, BaseWorker):
                 self.hand_back(a)
 
     def admit(self, block: bool) -> None:
-        """Take jobs while the engine has room; wait up to 1 s for one when idle."""
+        """Take shards while the engine has room; wait up to 1 s for one when idle."""
         while self.engine.has_room():
             try:
                 got = Queue.dequeue_any(self.queues, 1 if block else None, connection=self.connection,
@@ -240,6 +248,28 @@ class Consumer(Outages, Publishing, BaseWorker):
                 return
             block = False
             self.start(*got)
+
+    def admit_new_job(self, heads: list[list[bytes]]) -> None:
+        """A full engine: take the first shard in `heads` (the queues' first ids) of a job
+        with nothing here, from the first queue (by priority) holding shards: a lower queue is looked at only when the higher ones are
+        empty, so high still passes normal."""
+        mine = {a.job_id for a in self.active.values()}
+        for queue, ids in zip(self.queues, heads):
+            if not ids:
+                continue
+            for sid in map(as_text, ids):
+                # LREM is the dequeue: whoever removes the id holds it (as with rq's LPOP).
+                if shards.job_of(sid) not in mine and self.connection.lrem(queue.key, 1, sid):
+                    try:
+                        job = Job.fetch(sid, connection=self.connection, serializer=self.serializer)
+                    except NoSuchJobError:
+                        return
+                    except REDIS_DOWN:  # taken, not read: put it back
+                        self.retrying(self._unpop, queue, sid)
+                        return
+                    self.start(job, queue)
+                    return
+            return
 
     def _unpop(self, queue: Queue, job_id: str) -> None:
         if self.connection.lpos(queue.key, job_id) is None:
@@ -334,7 +364,7 @@ class Consumer(Outages, Publishing, BaseWorker):
             return
         if todo:
             try:
-                self.engine.add(job.id, todo, todo_params, seed=spec.seed)
+                self.engine.add(job.id, todo, todo_params, seed=spec.seed, owner=c.job_id)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return

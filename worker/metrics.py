@@ -78,8 +78,8 @@ class _EngineState:
                      "not served by the prefix cache, and recomputation)", stats.prefill_tokens)
         yield family(CounterMetricFamily, "fanout_decode_tokens", "Tokens decoded (each sample's first "
                      "token comes out of its prefill)", stats.decode_tokens)
-        yield family(CounterMetricFamily, "fanout_retractions", "Requests sent back to waiting when "
-                     "the KV cache ran short", stats.retractions)
+        yield family(CounterMetricFamily, "fanout_retractions", "Requests sent back to waiting (the KV "
+                     "cache ran short, or another job needed its fair share of the slots)", stats.retractions)
         yield family(CounterMetricFamily, "fanout_engine_step_failures", "Engine steps that raised (the "
                      "requests that caused it end with an error; the rest carry on)", stats.failed_steps)
         yield family(GaugeMetricFamily, "fanout_requests_running", "Requests holding KV",

@@ -5,7 +5,8 @@ transaction that announces it, before the entry (results/publisher.py); a sample
 earlier attempt stored is neither stored nor announced again; after its first tokens, a
 sample's deltas go out together at most every `delta_interval` seconds (one entry per
 sample per flush). The same round trip reads the running shards' cancel flags and the
-queue lengths; then the finished shards end and the flagged ones are canceled.
+queue lengths (or, when only a new job's shard may join a full engine, the queues' first
+PEEK shard ids); then the finished shards end and the flagged ones are canceled.
 
 `Publishing` is part of the worker (worker/consumer.py): it uses its `active` shards,
 `send`, `beat`, `succeed`, `cancel`, `metrics` and queues.
@@ -19,6 +20,8 @@ from results import keys, store
 from results.publisher import Batch
 
 from . import shards
+
+PEEK = 64  # shard ids looked at per queue for a job the engine runs nothing of (8 jobs' windows)
 
 
 @dataclass(slots=True)
@@ -62,10 +65,11 @@ class Publishing:
                     item_done=a.left[index] == 0, item_failed=index in a.failed_items,
                     custom_id=a.custom_id(index))
 
-    def publish(self, events: list) -> bool:
+    def publish(self, events: list) -> tuple[bool, list[list[bytes]] | None]:
         """One step's events -> one Redis transaction, which also reads the cancel flags and
-        the queue lengths; then finish the completed shards and cancel the flagged ones.
-        Returns whether shards are waiting in the queues."""
+        the queues; then finish the completed shards and cancel the flagged ones. Returns
+        whether shards are queued, and when the engine has room only for a new job's shard
+        (Engine.has_room_for_owner) the first shard ids of each queue."""
         if time.monotonic() >= self._next_beat:  # after a long step: are the shards still ours?
             self.retrying(self.beat)
         batch = Batch(self.connection)
@@ -111,11 +115,15 @@ class Publishing:
         tags = list(self.active)
         if tags:
             batch.read("mget", [keys.cancel(self.active[t].job_id) for t in tags])
+        peek = not self.engine.has_room() and self.engine.has_room_for_owner()
         for q in self.queues:
-            batch.read("llen", q.key)
+            if peek:
+                batch.read("lrange", q.key, 0, PEEK - 1)
+            else:
+                batch.read("llen", q.key)
         answers = self.send(batch)
         if answers is None:
-            return False
+            return False, None
         for tag in in_step:
             a = self.active.get(tag)
             if a is not None and a.remaining == 0:
@@ -124,4 +132,5 @@ class Publishing:
             for tag, flag in zip(tags, answers[0]):
                 if flag is not None and tag in self.active:
                     self.cancel(self.active[tag])
-        return any(answers[-len(self.queues):])
+        queues = answers[-len(self.queues):]
+        return any(queues), queues if peek else None

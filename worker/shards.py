@@ -69,6 +69,11 @@ def shard_id(job_id: str, k: int) -> str:
     return f"{job_id}-{k}"
 
 
+def job_of(shard: str) -> str:
+    """The job of a shard id (shard_id's inverse)."""
+    return shard.rpartition("-")[0]
+
+
 def _text(v) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 

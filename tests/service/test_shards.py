@@ -179,11 +179,11 @@ def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
 def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
     """{"prompts": ["x"] * 10000, n: 64, max_new_tokens: 4096}: 640,000 samples from a 50 KB
     body, 10,000 shards of one item. Each worker holds what its engine runs (a window of the
-    rest is queued), its loop keeps stepping and heartbeating, and the cancel acts at once.
-    (A full engine takes no other job's shard until one of its own ends: how soon a small
-    job starts behind a huge one is test_a_small_job_behind_a_huge_one_...)."""
+    rest is queued), its loop keeps stepping and heartbeating, another job runs beside it
+    (a full engine takes a shard of a job it runs nothing of, and gives it its share of the
+    slots), and the cancel acts at once."""
     r = fleet["redis"]
-    huge = jobs.submit(r, JobRequest(prompts=["x"] * 10000, sampling_params={"n": 64, "max_new_tokens": 4096}),
+    huge = jobs.submit(r, JobRequest(prompts=["x"] * 10000, sampling_params={"n": 64, "max_new_tokens": 4096, "ignore_eos": True}),
                        SHARDS)["id"]
     with Client(fleet["api"]) as client:
         wait_for(lambda: len(client.status(huge)["shards"]["workers"]) == 2, 60, "both workers to take shards")
@@ -198,6 +198,13 @@ def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
         assert all(b is not None and a > b for a, b in zip(beats(), before)), (before, beats())
         assert r.xlen(keys.stream(huge)) > entries_before  # steps go on: deltas keep coming
         assert client.status(huge)["shards"]["running"] >= 2
+        # Both engines are full of 4096-token samples; a small job finishes beside them.
+        small = submit(r, PROMPTS[:4], {"max_new_tokens": 4})
+        t = time.monotonic()
+        wait_for(lambda: client.status(small)["status"] == "succeeded", 60, "the small job", interval=0.1)
+        print(f"small job beside it: {time.monotonic() - t:.2f}s", client.status(huge)["progress"])
+        # It did not wait for a slot to free: not one of the huge job's samples has ended.
+        assert client.status(huge)["progress"]["samples_done"] == 0
         t = time.monotonic()
         assert client.cancel(huge)["status"] == "running"
         wait_for(lambda: client.status(huge)["status"] == "canceled", 30, "the cancel", interval=0.02)

@@ -78,10 +78,12 @@ class Engine:
     # -- step-level interface (the worker drives these) --------------------------
 
     def add(self, tag: object, items: list[tuple], sampling_params, seed: int | None = None,
-            sink: Callable[[Event], None] | None = None) -> int:
+            sink: Callable[[Event], None] | None = None, owner: object = None) -> int:
         """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
-        to sink, or are returned by step() when no sink is given. Returns the job seed."""
-        return self.front.add(tag, items, sampling_params, seed, sink)
+        to sink, or are returned by step() when no sink is given. `owner` (default: tag):
+        requests of several owners share the slots fairly (a worker's owner is the job, whose
+        shards are tags). Returns the job seed."""
+        return self.front.add(tag, items, sampling_params, seed, sink, owner)
 
     def image_schemes(self) -> list[str]:
         """The image URL schemes chats may use ([] for a text model)."""
@@ -122,9 +124,18 @@ class Engine:
         """Worth taking another shard now: the scheduler has room (samples waiting for their
         prompt's warm-up count as waiting) and few chat items wait for their images (a slow
         download must not hold up other jobs' shards)."""
-        pending = len(self.front.text) + sum(len(w.samples) for w in self.front.warmups.values())
-        return (self.scheduler.has_room(pending)
+        return (self.scheduler.has_room(self._pending())
                 and len(self.front.intake) < max(8, self.config.max_running // 4))
+
+    def has_room_for_owner(self) -> bool:
+        """Worth taking a shard of an owner (a job) with nothing here although has_room() is
+        false: its requests would get a fair share of the slots (scheduler.py)."""
+        return self.scheduler.has_room_for_owner(self._pending())
+
+    def _pending(self) -> int:
+        """Samples on their way to the scheduler: being tokenized, or behind their prompt's
+        warm-up."""
+        return len(self.front.text) + sum(len(w.samples) for w in self.front.warmups.values())
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""

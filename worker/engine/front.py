@@ -24,7 +24,7 @@ from .events import Event, Usage
 from .images import ImageSpan
 from .grammar import GrammarError, Grammars
 from .encoder import Encoder
-from .intake import ImageIntake, Pending, TextIntake
+from .intake import Call, ImageIntake, Pending, TextIntake
 from .req import Req
 from .sampling_params import SamplingParams, per_item
 from .scheduler import Scheduler, StepResult, step_error
@@ -87,28 +87,29 @@ class Front:
     # -- fan-out -----------------------------------------------------------------
 
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
-            sink: Sink | None) -> int:
+            sink: Sink | None, owner: object = None) -> int:
         """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
         (a list of messages); params: one SamplingParams for all or one per item (see
         sampling_params.per_item). Texts and chats are encoded on the text intake's thread, a
-        chat with images once the image intake has loaded them; feed() fans them out. Returns
-        the job seed used."""
+        chat with images once the image intake has loaded them; feed() fans them out.
+        `owner` (default: the tag): whose fair share of the engine the requests use when
+        several owners' requests compete (scheduler.py). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
         for index, prompt, ids in items:
             if (prompt is None) == (ids is None):
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
-        group = next(self._ids)
+        call = Call(tag, tag if owner is None else owner, next(self._ids), seed, sink)
         urls = [self.chats.image_urls(prompt) for _, prompt, _ in items]
-        self.intake.put([Pending(tag, group, index, chat, p, seed, sink)
+        self.intake.put([Pending(call, index, chat, p)
                          for (index, chat, _), p, u in zip(items, params, urls) if u])
-        self.text.put([Pending(tag, group, index, prompt, p, seed, sink)
+        self.text.put([Pending(call, index, prompt, p)
                        for (index, prompt, _), p, u in zip(items, params, urls) if not u and prompt is not None])
         given = [(index, list(ids), [], None, p) for (index, prompt, ids), p in zip(items, params)
                  if prompt is None]
         if given:  # token ids need no encoding (they are checked when fanned out)
-            self._fan_out(tag, group, given, seed, sink)
+            self._fan_out(call, given)
         return seed
 
     def feed(self, block: bool) -> None:
@@ -121,21 +122,18 @@ class Front:
                 continue
             if isinstance(encoded, Exception):  # the encoder itself failed: the slice's items fail
                 encoded = [([], [], f"encoding failed: {type(encoded).__name__}: {encoded}")] * len(items)
-            first = items[0]
-            self._fan_out(first.tag, first.group, [(it.index, *enc, it.params)
-                                                   for it, enc in zip(items, encoded)], first.seed, first.sink)
+            self._fan_out(items[0].call, [(it.index, *enc, it.params) for it, enc in zip(items, encoded)])
         for items, images in self.intake.ready(block and not waiting_text):
             for it in items:
                 enc = self.encoder.encode_chat(it.index, it.chat, images)
-                self.intake.hold(self._fan_out(it.tag, it.group, [(it.index, *enc, it.params)],
-                                               it.seed, it.sink))
+                self.intake.hold(self._fan_out(it.call, [(it.index, *enc, it.params)]))
 
-    def _fan_out(self, tag: object, group: int, entries: list[tuple], seed: int,
-                 sink: Sink | None) -> list[Req]:
+    def _fan_out(self, call: Call, entries: list[tuple]) -> list[Req]:
         """Requests for entries (index, ids, image spans, error, params), to the scheduler
         (n > 1: behind one warm-up per distinct prompt); returns them."""
         by_prompt: dict[tuple, _Warmup] = {}
         made = []
+        sink, group = call.sink, call.group
         for index, ids, spans, error, p in entries:
             error = error or self._check(ids, p, spans)
             grammar, matchers = p.grammar, [None] * p.n
@@ -145,8 +143,8 @@ class Front:
                 except GrammarError as e:
                     error = f"{grammar[0]}: {e}"
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
-                        seed=derive_seed(seed, index, j) if p.seed is None else item_seed(p.seed, j),
-                        eos_ids=self.eos_ids, tag=tag, index=index, sample=j,
+                        seed=derive_seed(call.seed, index, j) if p.seed is None else item_seed(p.seed, j),
+                        eos_ids=self.eos_ids, tag=call.tag, owner=call.owner, index=index, sample=j,
                         grammar=matchers[j], images=spans) for j in range(p.n)]
             made += reqs
             # Image positions have no text to give the first output tokens context.
@@ -163,8 +161,8 @@ class Front:
                 key = tuple(ids)
                 if key not in by_prompt:
                     warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
-                               params=SamplingParams(max_new_tokens=0), seed=0, tag=tag,
-                               images=spans)
+                               params=SamplingParams(max_new_tokens=0), seed=0, tag=call.tag,
+                               owner=call.owner, images=spans)
                     by_prompt[key] = _Warmup(warm, [], sink)
                 by_prompt[key].samples.extend(reqs)
             else:

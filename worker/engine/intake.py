@@ -30,16 +30,23 @@ MAX_LOADING = 2  # slices in flight: the budget may be passed by at most these
 WAIT_S = 0.05  # how long a step with nothing else to do waits for a slice
 
 
+@dataclass(slots=True, frozen=True)
+class Call:
+    """One Front.add() call: what its items share."""
+    tag: object  # the caller's handle: events carry it, abort names it
+    owner: object  # whose share of the engine its requests count against (scheduler.py)
+    group: int  # its rids' prefix
+    seed: int  # the job seed
+    sink: Callable | None
+
+
 @dataclass(slots=True)
 class Pending:
     """An item on its way (what Front.add needs to fan it out later)."""
-    tag: object
-    group: int  # the add() call it came with (its rids' prefix)
+    call: Call
     index: int
     chat: list | str  # a chat, or a text (TextIntake)
     params: SamplingParams
-    seed: int  # the job seed
-    sink: Callable | None
 
 
 class _Slices:
@@ -63,8 +70,8 @@ class _Slices:
         """Forget tag's items in flight (an abort); the slice still runs, its other items kept."""
         gone = []
         for k, (f, items) in enumerate(self.loading):
-            gone += [p for p in items if p.tag == tag]
-            self.loading[k] = (f, [p for p in items if p.tag != tag])
+            gone += [p for p in items if p.call.tag == tag]
+            self.loading[k] = (f, [p for p in items if p.call.tag != tag])
         return gone
 
 
@@ -136,8 +143,8 @@ class ImageIntake(_Slices):
     def drop(self, tag: object) -> list[Pending]:
         """Forget tag's items (an abort); a slice in flight is still loaded, its other
         items kept."""
-        gone = [p for p in self.queue if p.tag == tag]
-        self.queue = deque(p for p in self.queue if p.tag != tag)
+        gone = [p for p in self.queue if p.call.tag == tag]
+        self.queue = deque(p for p in self.queue if p.call.tag != tag)
         return gone + self._drop_loading(tag)
 
 

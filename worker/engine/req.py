@@ -30,6 +30,7 @@ class Req:
     seed: int  # per-sample seed, derived from (job seed, item index, sample index)
     eos_ids: frozenset[int] = frozenset()
     tag: object = None  # where events go (the caller's opaque handle: a job, a generate call)
+    owner: object = None  # whose fair share of the slots it uses (scheduler.py): a job
     index: int = 0  # item index in the caller's batch
     sample: int = 0  # sample index within the item
     return_prompt_logits: bool = False

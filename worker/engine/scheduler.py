@@ -7,6 +7,16 @@ across steps (chunked prefill). When KV runs out, the most recently admitted req
 are retracted back to the waiting queue; their computed KV goes to the radix cache, so
 recomputation later is often a cache hit.
 
+Fair shares: requests have an owner (a worker's is the job). When the slots are full and
+an owner holding fewer than its share (max_running / owners with requests here) waits,
+the newest requests of owners over their share are retracted to make room, and waiting
+requests of owners under their share are admitted first. So a small job joins at once
+beside a huge one whose long samples fill the engine, instead of waiting for one of them
+to end. A retracted request resumes where it was (its tokens are kept, its KV is usually
+still cached, its draws depend on (seed, step) only: sampler.py), so outputs do not change.
+Shares count slots; a pool short of KV pages still retracts the newest requests, whoever
+owns them.
+
 A step is schedule() -> Executor.run -> process(): process applies what the batch produced
 (KV lengths, tokens) and decides which requests are done. Every request ends in finish(),
 whoever decides it (a token, the front's stop strings, a fault, an abort), and
@@ -15,7 +25,7 @@ take_finished() hands the step's finished requests to the front.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from .batch import ScheduleBatch
@@ -29,6 +39,9 @@ log = logging.getLogger("fanout.engine")
 # A new request sharing this many uncached tokens with one prefilling now waits a step to
 # reuse that prefix instead of computing it again (in-batch prefix sharing).
 SHARED_PREFIX_MIN = 32
+# A worker whose engine is full takes a new job's shard only while each owner would keep
+# at least this many slots.
+MIN_SHARE = 8
 
 
 def step_error(exc: BaseException) -> str:
@@ -52,6 +65,7 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self._finished: list[Req] = []
         self.num_retractions = 0
+        self.starved: Counter = Counter()  # owner -> its waiting requests within its share
         self.prefill_tokens_total = 0  # tokens run through prefill (warm-up savings show here)
         self.decode_tokens_total = 0
 
@@ -68,6 +82,14 @@ class Scheduler:
         shard only then, so the shards of one job spread over the workers that have room
         instead of queuing behind one of them."""
         return not self.waiting and pending == 0 and len(self.running) < self.cfg.max_running
+
+    def has_room_for_owner(self, pending: int = 0) -> bool:
+        """Worth taking requests of an owner that has none here, although has_room() is
+        false: they would get a share of at least MIN_SHARE slots, and no owner waits for
+        its share already (nothing is on its way either)."""
+        owners = {r.owner for r in self.running} | {r.owner for r in self.waiting}
+        return (pending == 0 and not self.starved
+                and self.cfg.max_running // (len(owners) + 1) >= MIN_SHARE)
 
     def abort(self, rid: str) -> Req | None:
         """Abort a request wherever it is; its KV is freed now."""
@@ -122,9 +144,40 @@ class Scheduler:
                                         f"({r.seq_len} tokens)")
         return batch
 
+    def _rebalance(self) -> list[Req]:
+        """Fair shares (module docstring): retract what the owners waiting within their
+        share need beyond the free slots, newest first, from owners over their share.
+        Returns the waiting queue in admission order: those within their share first."""
+        self.starved = Counter()
+        if not self.waiting:
+            return []
+        held = Counter(r.owner for r in self.running)
+        owners = set(held) | {r.owner for r in self.waiting}
+        if len(owners) < 2:
+            return list(self.waiting)
+        share = max(1, self.cfg.max_running // len(owners))
+        first, rest = [], []
+        for r in self.waiting:
+            if held[r.owner] + self.starved[r.owner] < share:
+                self.starved[r.owner] += 1
+                first.append(r)
+            else:
+                rest.append(r)
+        need = len(first) - (self.cfg.max_running - len(self.running))
+        for victim in reversed(self.running[:]):
+            if need <= 0:
+                break
+            if held[victim.owner] > share:
+                self._retract(victim)
+                held[victim.owner] -= 1
+                rest.insert(0, victim)
+                need -= 1
+        return first + rest
+
     def _build(self) -> ScheduleBatch | None:
         kvm = self.kvm
         reqs, lens, locs = [], [], []
+        waiting = self._rebalance()
         # 1. Decode every running request that has one token to run; retract if KV is short.
         decodes = [r for r in self.running if r.extend_todo == 1]
         while decodes and sum(kvm.pages_for(r, 1) for r in decodes) > kvm.available_pages:
@@ -141,7 +194,7 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         # Keep a page per running request free so the next decode step rarely retracts.
         reserve = len(self.running)
-        candidates = [r for r in self.running if r.extend_todo > 1] + list(self.waiting)
+        candidates = [r for r in self.running if r.extend_todo > 1] + waiting
         for r in candidates:
             if budget <= 0:
                 break

@@ -89,7 +89,6 @@ class TorchBackend(AttentionBackend):
         for i, n in enumerate(fb.extend_lens_cpu):
             (dec if n == 1 else ext).append(i)
         meta = TorchMetadata([], [], [])
-        group = self.num_heads // self.num_kv_heads
         grouped = set()
         for g in (fb.shared or ()) if self.uses_shared_prefixes else ():
             grouped.update(g.rows)
