@@ -331,3 +331,19 @@ def test_fair_shares_let_a_small_owner_join_a_full_engine(llama_path):
             got.setdefault((ev.index, ev.sample), []).extend(ev.token_ids_delta)
     assert got == ref
     eng.check()
+
+
+def test_a_text_the_tokenizer_cannot_take_fails_its_item_alone(llama_path):
+    """The second wall behind the API's check: a lone surrogate (what JSON's "\\ud800"
+    makes) in a prompt or a chat, given to the engine directly, fails its item with a clear
+    error; the items tokenized with it in one call still run."""
+    eng = Engine(llama_path)
+    sp = SamplingParams(max_new_tokens=3)
+    out = eng.generate(prompts=["hello", "bad \ud800", "world"], sampling_params=sp)
+    assert [it.samples[0].finish_reason for it in out] == ["length", "error", "length"]
+    assert "tokenizer cannot take" in out[1].samples[0].error
+    out = eng.generate(messages=[[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bad \ud800"}],
+                                 [{"role": "user", "content": [{"type": "text", "text": "ok"}]}]], sampling_params=sp)
+    assert [it.samples[0].finish_reason for it in out] == ["length", "error", "length"]
+    assert out[1].samples[0].error.startswith("messages[1]: cannot be encoded")
+    eng.check()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from .engine.sampling_params import SamplingParams, TokenId
 
@@ -27,6 +27,20 @@ JOB_FUNC = "worker.consumer.fanout_job"
 Kind = Literal["prompts", "input_ids", "messages"]
 KINDS: tuple[str, ...] = ("prompts", "input_ids", "messages")
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _unicode(v: str) -> str:
+    """Text a tokenizer can take: no lone surrogate (JSON's \\ud800 escapes make them)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate U+{ord(v[e.start]):04X} at "
+                         f"character {e.start}") from None
+    return v
+
+
+# A str inside a union is not checked for lone surrogates by pydantic as a plain one is.
+Text = Annotated[str, AfterValidator(_unicode)]
 CustomId = Annotated[str, Field(min_length=1, max_length=512)]
 
 
@@ -36,7 +50,7 @@ class Strict(BaseModel):
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(Strict):
@@ -80,7 +94,7 @@ def content_type(image_part: type[ImagePart] = ImagePart):
                      Discriminator(_part_tag, custom_error_type="content_part",
                                    custom_error_message=PART_ERROR)]
     parts = Annotated[list[part], Field(min_length=1)]
-    return Annotated[Annotated[str, Tag("string")] | Annotated[parts, Tag("parts")],
+    return Annotated[Annotated[Text, Tag("string")] | Annotated[parts, Tag("parts")],
                      Discriminator(lambda v: "string" if isinstance(v, str) else "parts")]
 
 

@@ -1,4 +1,5 @@
 """The HTTP API on its own: validation, lookups, idempotency, cancel before start, OpenAPI."""
+import json
 import os
 from datetime import datetime, timedelta, timezone
 
@@ -237,3 +238,17 @@ def test_shard_settings_out_of_bounds_stop_the_api_naming_them(redis_url):
         p = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", "1", "--redis-url", redis_url],
                            env={**os.environ, name: "0"}, capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and f"{name}: must be at least 1, got 0" in p.stderr, (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("content,loc", [
+    ("bad \ud800", ["body", "messages", 0, 1, "content"]),
+    ([{"type": "text", "text": "bad \udfff"}], ["body", "messages", 0, 1, "content", 0, "text"]),
+])
+def test_a_lone_surrogate_in_a_chat_is_a_422_naming_the_field(http, content, loc):
+    """JSON's "\\ud800" escape makes a string no tokenizer takes: refused at the edge, as
+    in prompts, not failing the job on a worker."""
+    chat = [{"role": "user", "content": "fine"}, {"role": "user", "content": content}]
+    raw = json.dumps({"messages": [chat, [{"role": "user", "content": "good"}]]})  # ASCII: \ud800 escaped
+    r = http.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert any(e["loc"] == loc and "lone surrogate" in e["msg"] for e in r.json()["detail"]), r.json()

@@ -247,3 +247,12 @@ def test_a_key_sees_only_its_own_files_and_batches(tmp_path):
         r.close()
         api.stop()
         server.stop()
+
+
+def test_a_line_with_a_lone_surrogate_is_named_at_upload(oai):
+    """One bad line of three: the upload names it (before: 202, then every line failed)."""
+    lines = [chat_line("a", "x"), chat_line("b", "bad \ud800"), chat_line("c", "z")]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch")
+    assert "line 2" in e.value.message and "lone surrogate" in e.value.message
+    assert "line 1" not in e.value.message and "line 3" not in e.value.message

@@ -1,6 +1,7 @@
 """The OpenAI online endpoints with the official `openai` client against the live service
 (real API and worker processes, real Redis): models, chat completions and completions,
 streamed and not, equal to the engine's own output; errors in OpenAI's format."""
+import json
 import time
 
 import httpx
@@ -138,3 +139,12 @@ def test_a_client_that_goes_away_cancels_its_job(api_url, worker, stream):
     while (job := httpx.get(f"{api_url}/v1/jobs/{newest['id']}").json())["status"] != "canceled":
         assert time.monotonic() < deadline, job
         time.sleep(0.2)  # canceled, not succeeded: it stopped before its 900 tokens
+
+
+def test_a_lone_surrogate_in_a_message_is_a_400_naming_it(api_url, worker):
+    """Not a 500 with the tokenizer's exception: OpenAI's error shape, the message named."""
+    raw = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "bad \ud800"}], "max_tokens": 2})
+    r = httpx.post(api_url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content" and "lone surrogate" in err["message"], err

@@ -32,6 +32,20 @@ class Encoder:
         return [self.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str)
                 else list(p) for p in prompts]
 
+    def _tokenize_each(self, prompts: list) -> list[tuple[list[int], str | None]]:
+        """(ids, error) per item: one tokenizer call, or, if it raises, one per item, so a
+        text the tokenizer cannot take fails alone."""
+        try:
+            return [(ids, None) for ids in self.tokenize(prompts)]
+        except Exception:
+            out = []
+            for p in prompts:
+                try:
+                    out.append((self.tokenize([p])[0], None))
+                except Exception as e:
+                    out.append(([], f"the tokenizer cannot take this text: {type(e).__name__}: {e}"))
+            return out
+
     def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
         """(ids, image spans, error) per item (index, prompt or None, input_ids or None)."""
         out: list = [None] * len(items)
@@ -42,9 +56,9 @@ class Encoder:
                 out[i] = ([], [], error)
             elif not isinstance(prompt, list):
                 plain.append(i)
-        for i, ids in zip(plain, self.tokenize([items[i][1] if items[i][1] is not None
-                                                else items[i][2] for i in plain])):
-            out[i] = (ids, [], None)
+        for i, (ids, error) in zip(plain, self._tokenize_each([items[i][1] if items[i][1] is not None
+                                                               else items[i][2] for i in plain])):
+            out[i] = (ids, [], error)
         for i, (index, chat, _) in enumerate(items):
             if isinstance(chat, list):
                 out[i] = self.encode_chat(index, chat)
@@ -58,3 +72,5 @@ class Encoder:
             return (*self.chats.encode(chat, images), None)
         except ValueError as e:
             return [], [], f"messages[{index}]: {e}"
+        except Exception as e:  # e.g. the tokenizer refusing a text: this chat fails alone
+            return [], [], f"messages[{index}]: cannot be encoded: {type(e).__name__}: {e}"
