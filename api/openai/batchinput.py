@@ -50,6 +50,9 @@ class LineError:
         return {"code": self.code, "line": self.line, "message": self.message, "param": self.param}
 
 
+TOO_DEEP = "not a JSON object this server reads: nested too deeply"
+
+
 class Invalid(Exception):
     def __init__(self, errors: list[LineError]):
         super().__init__("; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in errors))
@@ -72,10 +75,16 @@ def parse(content: bytes, settings: Settings) -> list[Request]:
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             errors.append(LineError(n, f"not a JSON object: {e}", code="invalid_json"))
             continue
+        except RecursionError:  # json.loads of a line nested thousands deep
+            errors.append(LineError(n, TOO_DEEP, code="invalid_json"))
+            continue
         try:
             body = REQUESTS[line.url].model_validate(line.body)
         except ValidationError as e:
             errors.append(_error(n, e, "body."))
+            continue
+        except RecursionError:
+            errors.append(LineError(n, TOO_DEEP, "body", code="invalid_json"))
             continue
         if line.custom_id in seen:
             errors.append(LineError(n, f"custom_id {line.custom_id!r} is used by an earlier line", "custom_id",

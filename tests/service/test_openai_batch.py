@@ -256,3 +256,13 @@ def test_a_line_with_a_lone_surrogate_is_named_at_upload(oai):
         oai.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch")
     assert "line 2" in e.value.message and "lone surrogate" in e.value.message
     assert "line 1" not in e.value.message and "line 3" not in e.value.message
+
+
+def test_a_line_nested_100000_deep_is_a_400_naming_it(oai):
+    """Not a plain-text 500 (RecursionError): OpenAI's error shape, the line named."""
+    deep = ('{"custom_id": "d", "method": "POST", "url": "/v1/chat/completions", "body": '
+            + "[" * 100_000 + "]" * 100_000 + "}\n").encode()
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.files.create(file=("deep.jsonl", jsonl([chat_line("a", "x")]) + deep), purpose="batch")
+    assert "line 2: " in e.value.message and "nested too deeply" in e.value.message and e.value.param == "file"
+    assert oai.files.create(file=("ok.jsonl", jsonl([chat_line("a", "x")])), purpose="batch").id
