@@ -71,22 +71,56 @@ def test_http_urls_are_off_unless_hosts_are_named(server):
 
 
 def test_http_fetches_from_the_named_hosts_only(server):
-    src = ImageSources(http_hosts=("127.0.0.1",), max_bytes=2000, timeout_s=2)
+    port = server.rpartition(":")[2]
+    src = ImageSources(http_hosts=(f"127.0.0.1:{port}",), max_bytes=2000, timeout_s=2)
     assert src.schemes == ["data", "http", "https"]
     assert src.read(server + "/f/img.png") == PNG
     assert src.read(f"{server}/redirect?/f/img.png") == PNG  # a redirect on an allowed host
-    with pytest.raises(ImageError, match="host 'localhost' is not among the allowed hosts"):
+    with pytest.raises(ImageError, match=f"'localhost:{port}' is not among the allowed hosts"):
         src.read(server.replace("127.0.0.1", "localhost") + "/f/img.png")
-    port = server.rpartition(":")[2]
-    with pytest.raises(ImageError, match="host 'localhost' is not among the allowed hosts"):
+    with pytest.raises(ImageError, match=f"'localhost:{port}' is not among the allowed hosts"):
         src.read(f"{server}/redirect?http://localhost:{port}/f/img.png")  # each hop is checked
-    assert ImageSources(http_hosts=("*",)).read(server.replace("127.0.0.1", "localhost") + "/f/img.png") == PNG
     with pytest.raises(ImageError, match="HTTP 404"):
         src.read(server + "/missing")
 
 
+def test_an_entry_without_a_port_allows_80_and_443_only(server):
+    """SSRF by port: `127.0.0.1` named, a redirect to its Redis port (or any other) is refused
+    before connecting, and closed or open ports read the same."""
+    port = server.rpartition(":")[2]
+    src = ImageSources(http_hosts=("127.0.0.1",), timeout_s=2)
+    for url in (server + "/f/img.png", f"http://127.0.0.1:{port}/redirect?http://127.0.0.1:6379/"):
+        with pytest.raises(ImageError, match=f"'127.0.0.1:{port}' is not among the allowed hosts"):
+            src.read(url)
+    ok = ImageSources(http_hosts=(f"127.0.0.1:{port}",), timeout_s=2)
+    with pytest.raises(ImageError, match="'127.0.0.1:6379' is not among the allowed hosts"):
+        ok.read(f"{server}/redirect?http://127.0.0.1:6379/")
+    # Port 80 is allowed by the entry; nothing listens there, and the error says only that.
+    with pytest.raises(ImageError) as e:
+        src.read("http://127.0.0.1/f/img.png")
+    assert str(e.value).endswith("could not be fetched (no connection)"), e.value
+    for bad in ("a/b", "h:99999", "u@h"):
+        with pytest.raises(ValueError, match="image_http_hosts"):
+            ImageSources(http_hosts=(bad,))
+
+
+def test_any_host_means_public_addresses_on_80_and_443(server):
+    """`*` lets in any host, but not the operator's own network: a host that resolves to a
+    loopback address is refused (a named one is not), and other ports are refused."""
+    port = server.rpartition(":")[2]
+    anyone = ImageSources(http_hosts=("*",), timeout_s=2)
+    with pytest.raises(ImageError, match=f"'localhost:{port}' is not among the allowed hosts"):
+        anyone.read(server.replace("127.0.0.1", "localhost") + "/f/img.png")
+    for url in ("http://localhost/x.png", "http://127.0.0.1/x.png", "http://[::1]/x.png",
+                "http://[::ffff:127.0.0.1]/x.png", "http://10.1.2.3/x.png", "http://169.254.169.254/latest"):
+        with pytest.raises(ImageError, match="is not a public address"):
+            anyone.read(url)
+    both = ImageSources(http_hosts=("*", f"localhost:{port}"), timeout_s=2)
+    assert both.read(server.replace("127.0.0.1", "localhost") + "/f/img.png") == PNG
+
+
 def test_http_size_and_time_limits(server):
-    src = ImageSources(http_hosts=("127.0.0.1",), max_bytes=2000, timeout_s=1.5)
+    src = ImageSources(http_hosts=(f"127.0.0.1:{server.rpartition(':')[2]}",), max_bytes=2000, timeout_s=1.5)
     with pytest.raises(ImageError, match="larger than 2000 bytes"):
         src.read(server + "/big")
     with pytest.raises(ImageError, match="larger than 2000 bytes"):
@@ -98,7 +132,7 @@ def test_http_size_and_time_limits(server):
 
 
 def test_read_all_fetches_concurrently_and_keeps_errors_per_url(server):
-    src = ImageSources(http_hosts=("127.0.0.1",), timeout_s=5)
+    src = ImageSources(http_hosts=(f"127.0.0.1:{server.rpartition(':')[2]}",), timeout_s=5)
     urls = [f"{server}/sleep/0.5/img.png?{i}" for i in range(6)] + [server + "/missing"]
     t = time.monotonic()
     got = src.read_all(urls + urls[:2])  # repeats read once
@@ -127,7 +161,7 @@ def test_the_engine_reads_file_and_http_images_like_data_urls(server, image_serv
     (tmp_path / "root" / "pic.png").write_bytes(buf.getvalue())
     image_server.files["extra.png"] = buf.getvalue()
     eng = Engine(build_tiny_llava(str(tmp_path / "llava"), max_context=256),
-                 image_file_root=str(tmp_path / "root"), image_http_hosts=["127.0.0.1"])
+                 image_file_root=str(tmp_path / "root"), image_http_hosts=[server.removeprefix("http://")])
     assert eng.image_schemes() == ["data", "file", "http", "https"]
 
     def chat(url):

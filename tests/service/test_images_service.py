@@ -1,6 +1,6 @@
 """Images through the service: a worker of its own on a tiny LLaVA (built offline), with its
 own Redis and API (the session's text worker must not take these jobs), allowed to download
-images from 127.0.0.1 (a real HTTP server: tests/conftest.py, ImageRoutes) and no file:// folder.
+images from the image server's 127.0.0.1:port (a real HTTP server: tests/conftest.py, ImageRoutes) and no file:// folder.
 Native chat items with image parts match Engine.generate(messages=...); a bad image fails its
 item alone; the OpenAI chat endpoint (streamed too) and OpenAI batch lines take image data
 URLs; the session's text model refuses image parts by name; downloaded images equal data
@@ -9,6 +9,7 @@ its own job."""
 import base64
 import io
 import json
+import socket
 import time
 
 import pytest
@@ -67,14 +68,14 @@ def llava(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vision_service(llava, tmp_path_factory):
+def vision_service(llava, tmp_path_factory, image_server):
     """(API url, redis url) of a service whose only worker serves the LLaVA."""
     server = EmbeddedRedis()
     logs = tmp_path_factory.mktemp("vision-logs")
     api, url = start_api(server.url, logs, "api-vision")
     # --delta-interval 0: every token its own stream entry, so the streaming tests see many.
     w = WorkerProc(server.url, llava, logs, args=["--served-model-name", "tiny-llava", "--delta-interval", "0",
-                                                  "--image-http-hosts", "127.0.0.1"])
+                                                  "--image-http-hosts", image_server.url.removeprefix("http://")])
     w.start()
     yield url, server.url
     w.stop()
@@ -332,3 +333,27 @@ def test_a_job_canceled_while_its_image_downloads_ends_at_once(vision_service, i
         follow(redis_url, job["id"])
         assert c.status(job["id"])["status"] == "canceled"
     assert "slow2.png" not in image_server.served_at, "the job ended only once its image came"
+
+
+def test_a_redirect_to_another_port_of_the_allowed_host_is_refused(vision_service, image_server):
+    """SSRF by port: the worker may fetch from 127.0.0.1:<the image server's port>; a redirect
+    from there to another port of 127.0.0.1 (a listener standing in for Redis) fails its item
+    before connecting, and its batch-mate runs."""
+    url, redis_url = vision_service
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    try:
+        with Client(url) as c:
+            job = c.submit(messages=[chat(f"{image_server.url}/redirect?http://127.0.0.1:{port}/"),
+                                     chat(data_url(seed=2))], sampling_params=SP, seed=7)
+            follow(redis_url, job["id"])
+            info, items = c.status(job["id"]), c.results(job["id"])
+        assert info["status"] == "succeeded" and info["progress"]["failed"] == 1, info
+        bad, good = items[0]["samples"][0], items[1]["samples"][0]
+        assert bad["finish_reason"] == "error" and f"'127.0.0.1:{port}' is not among the allowed hosts" in bad["error"]
+        assert good["finish_reason"] != "error"
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+    finally:
+        listener.close()

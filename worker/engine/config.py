@@ -50,9 +50,10 @@ class EngineConfig:
                                                            "multiple of 8 up to the max)")
     image_file_root: str | None = _knob(None, "take file:// image URLs of files under this folder "
                                               "(default: none taken)", env="FANOUT_IMAGE_FILE_ROOT")
-    image_http_hosts: list[str] | None = _knob(None, "fetch http(s) image URLs from these hosts, "
-                                                     "'*' for any (default: none fetched; the worker "
-                                                     "fetches, the API never does)",
+    image_http_hosts: list[str] | None = _knob(None, "fetch http(s) image URLs from these hosts: "
+                                                     "host (ports 80 and 443), host:port, or '*' for "
+                                                     "any public host on 80 and 443 (default: none "
+                                                     "fetched; the worker fetches, the API never does)",
                                                env="FANOUT_IMAGE_HTTP_HOSTS")
     image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
     image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
