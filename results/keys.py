@@ -89,7 +89,7 @@ def batches_open() -> str:
 
 
 def batch_lock(batch_id: str) -> str:
-    """Held by the API process that writes a batch's output files."""
+    """The lease of the API process that writes a batch's output files (api.openai.batches.Lease)."""
     return f"{PREFIX}:batch:{batch_id}:lock"
 
 

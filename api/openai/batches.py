@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import anyio
@@ -35,6 +36,7 @@ router = APIRouter()
 
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 STUCK = 600  # seconds: a batch still validating this long lost its API process meanwhile
+LEASE = 10  # seconds a finalizing API process holds a batch between renewals
 LOST = {"expired": ("batch_expired", "This request could not be executed before the completion window expired."),
         "cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
         "failed": ("batch_failed", "This request was not executed: the batch failed.")}
@@ -53,17 +55,50 @@ def load(redis, batch_id: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-def _update(redis, batch_id: str, change, ttl: int) -> dict | None:
-    """Apply `change(record)` -> the fields to set (None: leave it) atomically. An ended batch
-    leaves the open set and expires `ttl` seconds later."""
+class Lease:
+    """The right to finalize one batch: a token under keys.batch_lock that expires LEASE
+    seconds after its last renewal, so a holder that died is replaced within seconds, and
+    that every write of the finalization checks (fencing): a holder that lost it (paused
+    past LEASE) writes nothing that counts. The files it writes have ids made from the
+    batch's, so a second finalizer overwrites them instead of leaving orphans."""
+    _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+    _DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+    def __init__(self, redis, batch_id: str):
+        self.redis, self.key, self.token = redis, keys.batch_lock(batch_id), os.urandom(8).hex()
+
+    def take(self) -> bool:
+        return bool(self.redis.set(self.key, self.token, nx=True, ex=LEASE))
+
+    def renew(self) -> bool:
+        return bool(self.redis.eval(self._RENEW, 1, self.key, self.token, LEASE * 1000))
+
+    def held(self, pipe) -> bool:
+        """Under WATCH of self.key in `pipe`: whether this process still holds it."""
+        return (pipe.get(self.key) or b"").decode() == self.token
+
+    def release(self) -> None:
+        self.redis.eval(self._DROP, 1, self.key, self.token)
+
+
+class LostLease(Exception):
+    """The finalization took longer than LEASE between renewals: another process does it."""
+
+
+def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) -> dict | None:
+    """Apply `change(record)` -> the fields to set (None: leave it) atomically, and only
+    while `lease` is held if one is given. An ended batch leaves the open set and expires
+    `ttl` seconds later."""
     key = keys.batch(batch_id)
     with redis.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(key)
+                pipe.watch(key, *([lease.key] if lease else []))
                 raw = pipe.get(key)
                 record = json.loads(raw) if raw else None
                 fields = change(record) if record else None
+                if lease is not None and not lease.held(pipe):
+                    raise LostLease(batch_id)
                 if not fields:
                     pipe.reset()
                     return record
@@ -220,12 +255,17 @@ def advance(redis, settings: Settings, batch_id: str) -> dict | None:
                              settings.result_ttl)
         jobs.cancel(redis, job_id, settings)  # a running job stops within one engine step
         return record
-    if not ended or not redis.set(keys.batch_lock(batch_id), 1, nx=True, ex=600):
+    lease = Lease(redis, batch_id)
+    if not ended or not lease.take():
         return record
     try:
-        return _finalize(redis, settings, batch_id, status)
+        return _finalize(redis, settings, batch_id, status, lease)
+    except LostLease:
+        log.warning("batches: %s took over %d s between renewals of its lease; another process "
+                    "finalizes it", batch_id, LEASE)
+        return load(redis, batch_id)
     finally:
-        redis.delete(keys.batch_lock(batch_id))
+        lease.release()
 
 
 def _ending(record: dict, job_status: str | None) -> str:
@@ -238,14 +278,17 @@ def _ending(record: dict, job_status: str | None) -> str:
     return "failed"
 
 
-def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None) -> dict:
+def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None, lease: Lease) -> dict:
+    """Write the output and error files, then the final record, holding `lease` (renewed
+    as the lines are built). A holder that died midway left the record `finalizing`: the
+    next one starts again from the stored samples, which no longer change."""
     record = _update(redis, batch_id, lambda r: {"status": "finalizing", "finalizing_at": int(time.time()),
                                                  "_ending": _ending(r, job_status)}
-                     if r["status"] in ("in_progress", "cancelling") else None, settings.result_ttl)
+                     if r["status"] in ("in_progress", "cancelling") else None, settings.result_ttl, lease)
     if record["status"] != "finalizing":
         return record  # another process finalized it meanwhile
     ending, job_id = record["_ending"], _job_id(batch_id)
-    output, errors, usage = _lines(redis, record, ending)
+    output, errors, usage = _lines(redis, record, ending, lease)
     done = {"status": ending, f"{ending}_at": int(time.time()),
             "request_counts": {"total": record["request_counts"]["total"], "completed": len(output),
                                "failed": sum(1 for e in errors if e["response"])},
@@ -257,17 +300,21 @@ def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None) 
     for field, lines, name in (("output_file_id", output, "output"), ("error_file_id", errors, "error")):
         if lines:
             data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            if not lease.renew():
+                raise LostLease(batch_id)
             done[field] = files.save(redis, data, f"{batch_id}_{name}.jsonl", "batch_output", tenant_id,
-                                     settings.result_ttl)["id"]
+                                     settings.result_ttl, file_id=f"file-{job_id}-{name}")["id"]
     if ending == "failed":
         info = progress.read(redis, job_id)
         done["errors"] = {"object": "list", "data": [{"code": "job_failed", "line": None, "param": None,
                                                       "message": (info or {}).get("error") or "the batch's job failed"}]}
-    return _update(redis, batch_id, lambda r: done if r["status"] == "finalizing" else None, settings.result_ttl)
+    return _update(redis, batch_id, lambda r: done if r["status"] == "finalizing" else None, settings.result_ttl,
+                   lease)
 
 
-def _lines(redis, record: dict, ending: str) -> tuple[list[dict], list[dict], dict]:
-    """(output lines, error lines, usage summed over the output) from the job's stored samples."""
+def _lines(redis, record: dict, ending: str, lease: Lease) -> tuple[list[dict], list[dict], dict]:
+    """(output lines, error lines, usage summed over the output) from the job's stored
+    samples; the lease renewed at each page."""
     job_id = _job_id(record["id"])
     chat = record["endpoint"] == "/v1/chat/completions"
     make = bodies.chat_completion if chat else bodies.text_completion
@@ -275,6 +322,8 @@ def _lines(redis, record: dict, ending: str) -> tuple[list[dict], list[dict], di
     ns, created = (info["ns"] if info else []), int(time.time())
     output, errors, answered = [], [], []
     for offset in range(0, len(ns), 1000):
+        if not lease.renew():
+            raise LostLease(record["id"])
         for item in store.page(redis, job_id, ns, offset, 1000):
             i, samples = item["index"], item["samples"]
             line = {"id": f"batch_req_{job_id}_{i}", "custom_id": item["custom_id"]}

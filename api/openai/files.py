@@ -32,10 +32,11 @@ def _tenant_id(tenant) -> str | None:
     return tenant.id if tenant else None
 
 
-def save(redis, content: bytes, filename: str, purpose: str, tenant_id: str | None, ttl: int | None) -> dict:
-    """Store a file; returns its object."""
+def save(redis, content: bytes, filename: str, purpose: str, tenant_id: str | None, ttl: int | None,
+         file_id: str | None = None) -> dict:
+    """Store a file (under `file_id` if given: saving again replaces it); returns its object."""
     now = int(time.time())
-    obj = {"id": "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": now,
+    obj = {"id": file_id or "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": now,
            "filename": filename, "purpose": purpose, "status": "processed",
            "expires_at": now + ttl if ttl else None, "status_details": None}
     with redis.pipeline() as pipe:

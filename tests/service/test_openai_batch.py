@@ -266,3 +266,59 @@ def test_a_line_nested_100000_deep_is_a_400_naming_it(oai):
         oai.files.create(file=("deep.jsonl", jsonl([chat_line("a", "x")]) + deep), purpose="batch")
     assert "line 2: " in e.value.message and "nested too deeply" in e.value.message and e.value.param == "file"
     assert oai.files.create(file=("ok.jsonl", jsonl([chat_line("a", "x")])), purpose="batch").id
+
+
+def test_an_api_killed_while_finalizing_is_replaced_within_its_lease(model_dir, tmp_path):
+    """The API process writing a batch's files dies (kill -9) holding the finalize lease:
+    another one finishes it within the lease (LEASE seconds; before: a 600 s lock), each
+    custom_id once, one output file (its id is the batch's, so no orphan). Then a holder
+    paused past its lease (SIGSTOP) is replaced, and once resumed writes nothing that counts."""
+    from api.openai.batches import LEASE
+    from results import keys
+
+    server = EmbeddedRedis()
+    r = redis_lib.Redis.from_url(server.url)
+    first, url = start_api(server.url, tmp_path, "api-final-1")
+    worker = WorkerProc(server.url, model_dir, tmp_path)
+    procs = [first]
+    n = 3000
+    lines = [chat_line(f"line-{i}", f"question {i}", max_tokens=1) for i in range(n)]
+    try:
+        worker.start()
+        for stop in (signal.SIGKILL, signal.SIGSTOP):
+            holder = procs[-1]
+            with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+                f = c.files.create(file=("many.jsonl", jsonl(lines)), purpose="batch")
+                b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            lock = keys.batch_lock(b.id)
+            deadline = time.monotonic() + 300
+            while not r.exists(lock):  # the holder's sweep takes the lease once the job ends
+                assert time.monotonic() < deadline, "the batch never started finalizing"
+                time.sleep(0.002)
+            holder.proc.send_signal(stop)
+            t = time.monotonic()
+            assert r.ttl(lock) <= LEASE
+            other, url = start_api(server.url, tmp_path, f"api-final-{len(procs) + 1}")
+            procs.append(other)
+            with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+                done = wait(c, b.id, ("completed",), timeout=LEASE + 60)
+                took = time.monotonic() - t
+                if stop == signal.SIGSTOP:
+                    holder.proc.send_signal(signal.SIGCONT)
+                    time.sleep(2)  # it wakes, finds its lease gone, and stops
+                    assert c.batches.retrieve(b.id).model_dump() == done.model_dump()
+                out = read_lines(c, done.output_file_id)
+                outputs = [x for x in c.files.list(purpose="batch_output") if x.filename.startswith(b.id)]
+            assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+            assert done.request_counts.completed == n and done.error_file_id is None
+            assert [x.id for x in outputs] == [done.output_file_id]
+            print(f"finalize holder stopped by {stop.name}: batch completed {took:.1f}s later (lease {LEASE}s)")
+    finally:
+        for p in procs:
+            if p.alive():
+                p.proc.send_signal(signal.SIGCONT)
+                p.stop()
+        if worker.proc and worker.proc.alive():
+            worker.stop()
+        r.close()
+        server.stop()
