@@ -26,7 +26,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
-from . import auth, metrics, tenants
+from . import auth, metrics, streams, tenants
 from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
@@ -57,16 +57,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "no API keys: every client sees every job (`fanout keys create` turns auth on)")
         except redis.RedisError as e:  # Redis not up yet: every request checks for itself
             logging.getLogger("fanout.api").warning("cannot tell yet whether API keys exist: %s", e)
-        # The SSE relay's XREAD blocks up to sse_keepalive seconds: a socket timeout under
-        # that (redis-py 8 defaults to 5 s) would fail every idle stream.
-        app.state.aredis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                                   socket_timeout=settings.sse_keepalive + 10,
-                                                   retry=_retry(AsyncRetry))
+        # Short reads only (the blocking one is the stream hub's own connection); a pool that
+        # waits for a free connection, so a thousand followers starting at once queue for it
+        # instead of failing with "Too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30,
+                                                        socket_connect_timeout=2, socket_timeout=30)
+        app.state.aredis = aioredis.Redis(connection_pool=pool, retry=_retry(AsyncRetry))
+
+        async def revoked(ids: set[str]) -> set[str]:
+            return await anyio.to_thread.run_sync(tenants.revoked_among, app.state.redis, ids)
+
+        app.state.hub = streams.Hub(settings.redis_url, app.state.aredis, settings.max_streams, revoked)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(batches.sweep, app.state)  # OpenAI batches: expiry, finalization
+            tasks.start_soon(app.state.hub.run)  # every followed stream, one reader
             yield
             tasks.cancel_scope.cancel()
         await app.state.aredis.aclose()
+        await pool.disconnect()
         app.state.redis.close()
 
     # FastAPI's own /docs and /redoc load their JS and CSS from a CDN, blank offline: /docs
@@ -118,6 +126,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if is_openai(request.url.path):
             return OpenAIError(429, exc.detail, code=exc.limit).response(headers)
         return JSONResponse({"detail": exc.detail, "limit": exc.limit}, status_code=429, headers=headers)
+
+    @app.exception_handler(streams.TooManyStreams)
+    async def too_many_streams(request: Request, exc: streams.TooManyStreams):
+        headers = {"Retry-After": "5"}
+        if is_openai(request.url.path):
+            return OpenAIError(503, str(exc), type="server_error", code="too_many_streams").response(headers)
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):

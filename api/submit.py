@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from results import events, keys, progress, store
 
-from . import jobs
+from . import jobs, streams
 from worker.spec import JobSpec
 
 from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobList, JobRequest, ResultsPage, Status
@@ -182,28 +182,34 @@ async def job_events(job_id: str, request: Request,
     except jobs.JobNotFound:
         raise _not_found(job_id) from None
 
+    key = keys.stream(job_id)
+    follower = st.hub.open(key, start, streams.tenant_id(request))  # a 503 past the limit
+
     async def relay():
-        last, key = start, keys.stream(job_id)
-        while True:
-            try:
-                resp = await st.aredis.xread({key: last}, count=1000,
-                                             block=st.settings.sse_keepalive * 1000)
-            except redis.exceptions.ConnectionError:
-                # Redis or this process is going away (shutdown): end the stream; the client
-                # resumes with Last-Event-ID on another API process.
-                return
-            if not resp:
-                yield ": keep-alive\n\n"
-                done = await anyio.to_thread.run_sync(ended, st, job_id)
-                if done and not await st.aredis.xread({key: last}, count=1):
-                    return  # resumed after the terminal entry: the client has the end
-                continue
-            for raw_id, fields in resp[0][1]:
-                last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
-                entry = events.decode(fields)
-                yield _sse(last, entry)
-                if events.is_terminal(entry):
+        try:
+            while True:
+                try:
+                    batch = await follower.next(st.settings.sse_keepalive)
+                except redis.exceptions.ConnectionError:
+                    # Redis or this process is going away (shutdown): end the stream; the
+                    # client resumes with Last-Event-ID on another API process.
                     return
+                if follower.closed:
+                    yield f"event: {streams.CLOSED}\ndata: {json.dumps(streams.closing(follower))}\n\n"
+                    return
+                if not batch:
+                    yield ": keep-alive\n\n"
+                    done = await anyio.to_thread.run_sync(ended, st, job_id)
+                    if done and not await st.aredis.xread({key: follower.last}, count=1):
+                        return  # resumed after the terminal entry: the client has the end
+                    continue
+                for entry_id, fields in batch:
+                    entry = events.decode(fields)
+                    yield _sse(entry_id, entry)
+                    if events.is_terminal(entry):
+                        return
+        finally:
+            follower.close()
 
     return StreamingResponse(relay(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -106,5 +106,14 @@ def revoke(redis, tenant_id: str) -> Tenant:
     return tenant
 
 
+def revoked_among(redis, tenant_ids: set[str]) -> set[str]:
+    """Those of these tenants whose key is revoked (or gone): two round trips for all."""
+    ids = sorted(tenant_ids)
+    digests = redis.hmget(keys.api_keys(), ids)
+    records = redis.mget([keys.api_key(d.decode()) for d in digests if d is not None]) if any(digests) else []
+    live = {t.id for t in (Tenant(**json.loads(r)) for r in records if r) if not t.revoked}
+    return set(ids) - live
+
+
 def in_flight(redis, tenant_id: str) -> int:
     return int(redis.get(keys.inflight(tenant_id)) or 0)

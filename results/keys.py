@@ -88,6 +88,11 @@ def batches_open() -> str:
     return f"{PREFIX}:batches:open"
 
 
+def api_wake(process: str) -> str:
+    """An API process's wake stream: its stream reader blocks on it too (api/streams.py)."""
+    return f"{PREFIX}:api:{process}:wake"
+
+
 def batch_lock(batch_id: str) -> str:
     """The lease of the API process that writes a batch's output files (api.openai.batches.Lease)."""
     return f"{PREFIX}:batch:{batch_id}:lock"

@@ -99,6 +99,13 @@ def cmd_api(args) -> None:
         else:
             own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fanout-metrics-")
     log_config = {"log_config": logs.uvicorn_config()} if logs.json_enabled() else {}
+    # A socket per open stream: a soft limit of 1,024 files (a common default) would refuse
+    # connections well under FANOUT_MAX_STREAMS, so take what the hard limit allows.
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
         # Idle keep-alive connections live 75 s (uvicorn's default is 5): longer than a load
         # balancer's idle timeout (60 s is common), so the server never closes a connection

@@ -44,6 +44,9 @@ class Settings:
     shard_window: int = 8
     # An idle SSE connection gets a comment this often (seconds); proxies keep it open.
     sse_keepalive: int = 15
+    # Streams one API process follows at once (SSE followers, chats and completions); past
+    # it a new one is refused with a 503 (api/streams.py).
+    max_streams: int = 4096
     # OpenAI batches: requests per input file and its size (OpenAI's limits), and how long
     # `completion_window: "24h"` lasts here (seconds; lines not done by then expire).
     batch_max_requests: int = 50_000
@@ -66,6 +69,7 @@ class Settings:
             shard_samples=_int("FANOUT_SHARD_SAMPLES", d.shard_samples, least=1),
             shard_window=_int("FANOUT_SHARD_WINDOW", d.shard_window, least=1),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),
+            max_streams=_int("FANOUT_MAX_STREAMS", d.max_streams, least=1),
             batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),
             batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from results import events, keys
 from results.reader import Rebuilder
 
-from .. import jobs, submit
+from .. import jobs, streams, submit
 from ..schemas import JobRequest
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
@@ -68,22 +68,28 @@ async def _serve(request: Request, req, items: dict, prefix: str):
     may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
     job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal",
                      metadata={"user": req.user} if req.user else {})
-    created = await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, tenant=tenant))
-    job_id = created["id"]
+    # The stream is followed before the job exists: past FANOUT_MAX_STREAMS no job is made.
+    job_id = jobs.new_id()
+    follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))
+    try:
+        await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, job_id=job_id, tenant=tenant))
+    except BaseException:
+        follower.close()
+        raise
     head = (prefix + job_id, int(time.time()), req.model)
     chat = prefix == "chatcmpl-"
     if not req.stream:
-        found = await _collect(_follow(st, job_id, request), size, params.n)
+        found = await _collect(_follow(st, follower, job_id, request), size, params.n)
         make = bodies.chat_completion if chat else bodies.text_completion
         return JSONResponse(make(*head, found))
-    entries = _follow(st, job_id, None)  # StreamingResponse cancels the stream when the client goes
+    entries = _follow(st, follower, job_id, None)  # StreamingResponse cancels it when the client goes
     first = []
     async for e in entries:  # up to the first output: a prompt that cannot run still gets its 400
         first.append(e)
-        if e["type"] in (events.DELTA, events.FINAL, events.ERROR) or events.is_terminal(e):
+        if e["type"] in (events.DELTA, events.FINAL, events.ERROR, streams.CLOSED) or events.is_terminal(e):
             break
     last = first[-1] if first else {}
-    if last.get("type") == events.ERROR or (events.is_terminal(last) and last["status"] != "succeeded"):
+    if last.get("type") in (events.ERROR, streams.CLOSED) or (events.is_terminal(last) and last["status"] != "succeeded"):
         await entries.aclose()  # cancels the rest of the job
         raise _failure(last)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -95,32 +101,39 @@ async def _serve(request: Request, req, items: dict, prefix: str):
 def _failure(entry: dict) -> OpenAIError:
     if entry.get("type") == events.ERROR:
         return OpenAIError(400, entry["error"], code="invalid_prompt")
+    if entry.get("type") == streams.CLOSED:
+        return OpenAIError(401, f"{entry['reason']}: the request was canceled", code="revoked_api_key")
     return OpenAIError(500, f"the request's job {entry.get('status', 'ended')}: {entry.get('error') or 'no output'}",
                        type="server_error")
 
 
-async def _follow(st, job_id: str, request: Request | None) -> AsyncIterator[dict]:
-    """The job's stream entries until its terminal status. Ended early (the client went
-    away: `request` says so between reads, or the caller closes this), the job is canceled."""
-    key, last, ended = keys.stream(job_id), "0", False
+async def _follow(st, follower: streams.Follower, job_id: str, request: Request | None) -> AsyncIterator[dict]:
+    """The job's stream entries until its terminal status (or a `closed` entry: the key was
+    revoked). Ended early (the client went away: `request` says so between reads, or the
+    caller closes this), the job is canceled."""
+    ended = False
     try:
         while True:
-            resp = await st.aredis.xread({key: last}, count=1000, block=1000)
+            batch = await follower.next(1.0)
             if request is not None and await request.is_disconnected():
                 return
-            if not resp:
-                if await anyio.to_thread.run_sync(submit.ended, st, job_id) and not await st.aredis.xread({key: last}, count=1):
+            if follower.closed:
+                yield streams.closing(follower)
+                return
+            if not batch:
+                if (await anyio.to_thread.run_sync(submit.ended, st, job_id)
+                        and not await st.aredis.xread({follower.key: follower.last}, count=1)):
                     ended = True
                     return
                 continue
-            for raw_id, fields in resp[0][1]:
-                last = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            for _, fields in batch:
                 entry = events.decode(fields)
                 ended = events.is_terminal(entry)
                 yield entry
                 if ended:
                     return
     finally:
+        follower.close()
         if not ended:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(jobs.cancel, st.redis, job_id, st.settings)
@@ -138,7 +151,7 @@ async def _collect(entries, size: int, n: int) -> list[list[dict]]:
         async for e in entries:
             if e["type"] == events.FINAL:
                 found[(e["index"], e["sample"])] = _record(e)
-            elif e["type"] == events.ERROR:
+            elif e["type"] in (events.ERROR, streams.CLOSED):
                 raise _failure(e)
             elif events.is_terminal(e):
                 end = e
@@ -170,6 +183,9 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
     async for e in every():
         rebuilt.apply(e)
         kind = e["type"]
+        if kind == streams.CLOSED:
+            yield _sse(_failure(e).body())  # no [DONE]: the answer is cut
+            return
         if kind == events.ERROR or (events.is_terminal(e) and e["status"] != "succeeded"):
             yield _sse(_failure(e).body())  # the other samples go on, unless the job ended
             if kind == events.ERROR:
