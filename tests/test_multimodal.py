@@ -182,14 +182,15 @@ def test_an_image_cut_by_a_chunk_runs_the_tower_once(vlm):
 
 
 def test_a_big_image_batch_holds_a_window_of_images(vlm):
-    """An image budget of one byte: images are loaded a slice at a time (two in flight), so
-    the requests in the engine hold a few slices' images, never the batch's; the tokens are
-    those of an engine with the default budget."""
+    """An image budget that one small image's decoding fits, but not one preprocessed
+    image: images are loaded a slice at a time (two in flight), so the requests in the
+    engine hold a few slices' images, never the batch's; the tokens are those of an engine
+    with the default budget."""
     from worker.engine.intake import MAX_LOADING, SLICE
     chats = [chat(f"item {k}", [picture(20 + k, 30, 70 + k)]) for k in range(3 * SLICE + 3)]
     sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)  # live a while
     ref = Engine(vlm, page_size=4).generate(messages=chats, sampling_params=sp)
-    eng = Engine(vlm, page_size=4, image_memory=1)
+    eng = Engine(vlm, page_size=4, image_memory=16_000)
     most, done = 0, {}
     for ev in eng.generate(messages=chats, sampling_params=sp, stream=True):
         most = max(most, len({id(s.image) for r in eng.front.intake.live if not r.finished for s in r.images}))

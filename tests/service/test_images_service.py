@@ -9,6 +9,7 @@ its own job."""
 import base64
 import io
 import json
+import os
 import socket
 import time
 
@@ -26,6 +27,7 @@ from worker.redis_server import EmbeddedRedis
 from conftest import WorkerProc, start_api
 
 SP = {"max_new_tokens": 6, "temperature": 0}
+IMAGE_MEMORY = 200_000_000  # the vision worker's --image-memory
 
 
 def image(w=30, h=28, seed=0, fmt="PNG") -> bytes:
@@ -75,7 +77,8 @@ def vision_service(llava, tmp_path_factory, image_server):
     api, url = start_api(server.url, logs, "api-vision")
     # --delta-interval 0: every token its own stream entry, so the streaming tests see many.
     w = WorkerProc(server.url, llava, logs, args=["--served-model-name", "tiny-llava", "--delta-interval", "0",
-                                                  "--image-http-hosts", image_server.url.removeprefix("http://")])
+                                                  "--image-http-hosts", image_server.url.removeprefix("http://"),
+                                                  "--image-memory", str(IMAGE_MEMORY)])
     w.start()
     yield url, server.url
     w.stop()
@@ -357,3 +360,52 @@ def test_a_redirect_to_another_port_of_the_allowed_host_is_refused(vision_servic
             listener.accept()  # nothing ever connected
     finally:
         listener.close()
+
+
+def peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def test_decoding_counts_against_the_image_memory(vision_service, image_server):
+    """Big images, small files: six distinct 4096x4096 PNGs (64 MiB each decoded) decode
+    within --image-memory (200 MB here) and the worker's peak memory grows by about that,
+    not by the six; one 8192x7000 (229 MB decoded) fails alone, before it is decoded.
+    (Before: every image of a load stayed decoded until the load ended; 16 distinct 8192²
+    PNGs took a worker from 628 MB to 5.2 GB.)"""
+    url, redis_url = vision_service
+    pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_vision_worker(int(p), redis_url))
+    names = []
+    for k in range(6):
+        img = PILImage.new("RGB", (4096, 4096), (k * 40, 90, 200))
+        img.putpixel((k, k), (255, 255, 255))
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        image_server.files[f"big{k}.png"] = buf.getvalue()
+        names.append(f"big{k}.png")
+    buf = io.BytesIO()
+    PILImage.new("RGB", (8192, 7000), (1, 2, 3)).save(buf, "PNG")
+    image_server.files["huge.png"] = buf.getvalue()
+    before = peak_rss_mb(pid)
+    with Client(url) as c:
+        job = c.submit(messages=[chat(f"{image_server.url}/f/{n}") for n in names + ["huge.png"]],
+                       sampling_params=SP, seed=7)
+        follow(redis_url, job["id"])
+        info, items = c.status(job["id"]), c.results(job["id"])
+    grew = peak_rss_mb(pid) - before
+    assert info["progress"]["failed"] == 1, info
+    assert all(it["samples"][0]["finish_reason"] != "error" for it in items[:6])
+    huge = items[6]["samples"][0]
+    assert huge["finish_reason"] == "error" and "--image-memory" in huge["error"], huge
+    assert grew < IMAGE_MEMORY / 2**20 + 150, grew  # six at once would be over 700 MB
+    print(f"six 4096² images and a refused 8192x7000: worker peak RSS +{grew:.0f} MB "
+          f"(--image-memory {IMAGE_MEMORY / 2**20:.0f} MiB)")
+
+
+def _is_vision_worker(pid: int, redis_url: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"worker" in args and b"--image-memory" in args and redis_url.encode() in args

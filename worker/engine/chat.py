@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from .bound import TextBound
 from .image_urls import ImageError, ImageSources
-from .images import ClipProcessor, Image, ImageSpan, Qwen2VLProcessor, load_image, open_image
+from .images import (ClipProcessor, DecodeBudget, Image, ImageSpan, Qwen2VLProcessor, decode_cost, load_image,
+                     open_image)
 
 
 class PastContext(ImageError):
@@ -30,11 +31,12 @@ class VisionInput:
 
 class ChatEncoder:
     def __init__(self, tokenizer, vision: VisionInput | None, sources: ImageSources = ImageSources(),
-                 bound: TextBound | None = None):
+                 bound: TextBound | None = None, budget: DecodeBudget | None = None):
         self.tokenizer = tokenizer
         self.vision = vision
         self.sources = sources  # which image URLs are read, and their limits
         self.bound = bound  # a rendered chat longer than the context can hold is not tokenized
+        self.budget = budget or DecodeBudget(2 << 30)  # shared by every thread that decodes
 
     @property
     def schemes(self) -> list[str]:
@@ -90,9 +92,12 @@ class ChatEncoder:
                                        f"is {max_tokens} (they were not decoded)")
             else:
                 try:
-                    out[url] = load_image(o[0], v.processor, v.vocab_size)
+                    with self.budget.hold(decode_cost(o[0])):
+                        out[url] = load_image(o[0], v.processor, v.vocab_size)
                 except ImageError as e:
                     out[url] = e
+                finally:
+                    o[0].close()
         return out
 
     def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None

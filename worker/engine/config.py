@@ -58,7 +58,9 @@ class EngineConfig:
     image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
     image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
     image_memory: int = _knob(2 << 30, "bytes of preprocessed images the requests in the engine "
-                                       "may hold before more items with images are loaded")
+                                       "may hold before more items with images are loaded; also "
+                                       "the bytes of pixels being decoded at once (an image whose "
+                                       "decoding alone takes more fails)")
 
     @property
     def image_sources(self) -> ImageSources:

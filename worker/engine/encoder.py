@@ -22,7 +22,7 @@ class Encoder:
         """The same encoder on its own copy of the tokenizer, for another thread."""
         tokenizer = copy.deepcopy(self.tokenizer)
         c = self.chats
-        return Encoder(tokenizer, ChatEncoder(tokenizer, c.vision, c.sources, c.bound))
+        return Encoder(tokenizer, ChatEncoder(tokenizer, c.vision, c.sources, c.bound, c.budget))
 
     def tokenize(self, prompts: list) -> list[list[int]]:
         """Text items in one tokenizer call; token-id items as given."""

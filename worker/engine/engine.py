@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .events import Event, ItemResult, SampleResult
 from .executor import EngineError, Executor, RunOutput
 from .front import Front
-from .images import ImageSpan, image_processor
+from .images import DecodeBudget, ImageSpan, image_processor
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
 from .models.loader import load_tokenizer, resolve_model_path
@@ -73,7 +73,8 @@ class Engine:
         self.front = Front(self.scheduler, self.tokenizer, self.max_context,
                            self.kv_manager.num_tokens, eos, mc.vocab_size,
                            ChatEncoder(self.tokenizer, vision, cfg.image_sources,
-                                       TextBound(self.tokenizer, self.max_context)), cfg.image_memory)
+                                       TextBound(self.tokenizer, self.max_context),
+                                       DecodeBudget(cfg.image_memory)), cfg.image_memory)
 
     # -- step-level interface (the worker drives these) --------------------------
 

@@ -17,6 +17,8 @@ import io
 import json
 import math
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,39 @@ from .models.config import Qwen2VLVisionConfig, VisionConfig
 MAX_IMAGE_PIXELS = 8192 * 8192
 FORMATS = ("PNG", "JPEG", "WEBP")
 PAD_BITS = 48  # pad ids: vocab_size + a 48-bit content hash, so never a real token id
+HASH_ROWS = 256  # rows of pixels hashed at a time: no copy of the whole image
+
+
+def decode_cost(img) -> int:
+    """Bytes decoding an opened image takes at its peak, from its header: PIL holds 4 bytes
+    a pixel (RGB is padded) and a mode other than RGB is converted into a second copy."""
+    w, h = img.size
+    return w * h * 4 * (1 if img.mode == "RGB" else 2)
+
+
+class DecodeBudget:
+    """Bytes of pixels being decoded at once across the threads that load images
+    (`--image-memory`): an image waits until its decoding fits beside the others', and one
+    that could never fit fails alone, before it is decoded."""
+
+    def __init__(self, total: int):
+        self.total, self.used = total, 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, n: int):
+        if n > self.total:
+            raise ImageError(f"decoding it would take {n} bytes, over the worker's --image-memory "
+                             f"of {self.total}")
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.total)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -75,9 +110,15 @@ def open_image(raw: bytes):
 
 
 def decode_image(img):
-    """An opened image (open_image) -> its RGB pixels (a decoded PIL image), or ImageError."""
+    """An opened image (open_image) -> its RGB pixels (a decoded PIL image), or ImageError.
+    The opened image's own decoded pixels are freed once converted."""
     try:
-        return img.convert("RGB")
+        if img.mode == "RGB":
+            img.load()
+            return img
+        rgb = img.convert("RGB")
+        img.close()
+        return rgb
     except Exception as e:
         raise ImageError(f"the image data is corrupt ({type(e).__name__}: {e})") from None
 
@@ -221,8 +262,13 @@ def load_image(img, processor: ClipProcessor | Qwen2VLProcessor, vocab_size: int
     pixels and size, so the same pixels in another (lossless) container share their cached
     prefix."""
     img = decode_image(img)
-    digest = hashlib.blake2b(img.tobytes(), digest_size=8,
-                             person=f"{img.width}x{img.height}".encode()[:16]).digest()
-    pad = vocab_size + int.from_bytes(digest, "little") % (1 << PAD_BITS)
-    pixels, tokens, grid = processor(img)
+    try:
+        # Full-width strips, so the digest is that of the whole image's bytes.
+        h = hashlib.blake2b(digest_size=8, person=f"{img.width}x{img.height}".encode()[:16])
+        for y in range(0, img.height, HASH_ROWS):
+            h.update(img.crop((0, y, img.width, min(y + HASH_ROWS, img.height))).tobytes())
+        pad = vocab_size + int.from_bytes(h.digest(), "little") % (1 << PAD_BITS)
+        pixels, tokens, grid = processor(img)
+    finally:
+        img.close()  # the decoded pixels go now, not when the caller drops the image
     return Image(pixels, pad, tokens, grid)
