@@ -5,6 +5,14 @@ them. A request borrows a matched prefix by locking the path to its last node; u
 leaves are evicted least-recently-used first, their pages handed back to the caller
 (KVManager, which frees them: the tree never touches the allocator).
 Pages owned by the tree are "cached"; locked ones are "protected", the rest "evictable".
+
+Eviction does not walk the tree: a heap holds the evictable leaves (unlocked, childless) by
+last access, kept as the tree changes. An entry is pushed whenever a node may have become an
+evictable leaf or its access time moved while it is one (insert, a match, unlock, the
+eviction of its last child); entries a later push or a lock made stale are skipped when
+popped (a node's `heap_seq` names its one live entry). So evicting k leaves costs O((k +
+stale entries) log n), and the heap is rebuilt from the tree once it holds over twice as
+many entries as there are nodes, which keeps the stale ones amortized O(1) per change.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import torch
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "heap_seq")
 
     def __init__(self, parent=None, key=(), value=None):
         self.children: dict[tuple, TreeNode] = {}
@@ -24,6 +32,7 @@ class TreeNode:
         self.value: torch.Tensor | None = value  # slots, len == len(key)
         self.lock_ref = 0
         self.last_access = 0
+        self.heap_seq = 0  # the seq of its live entry in RadixCache._heap (0: none)
 
 
 class RadixCache:
@@ -35,6 +44,27 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.cached_pages = 0
         self.protected_pages = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, seq, node)
+        self._seq = itertools.count(1)
+        self.nodes = 0  # in the tree, root excluded
+        self.evict_pops = 0  # heap entries looked at by evict, over the cache's life (tests count them)
+
+    def _push(self, node: TreeNode) -> None:
+        """Give node a live heap entry if it is an evictable leaf now."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            node.heap_seq = next(self._seq)
+            heapq.heappush(self._heap, (node.last_access, node.heap_seq, node))
+            if len(self._heap) > 2 * self.nodes + 64:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = []
+        for n in self._nodes():
+            n.heap_seq = 0
+            if n.lock_ref == 0 and not n.children:
+                n.heap_seq = next(self._seq)
+                self._heap.append((n.last_access, n.heap_seq, n))
+        heapq.heapify(self._heap)
 
     @property
     def evictable_pages(self) -> int:
@@ -67,11 +97,13 @@ class RadixCache:
             child.last_access = now
             parts.append(child.value)
             node, i = child, i + n
+        self._push(node)  # its access moved (a leaf only: inner nodes are not in the heap)
         return (torch.cat(parts) if parts else None), node
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Split node's edge after n tokens; return the new upper node."""
         upper = TreeNode(node.parent, node.key[:n], node.value[:n])
+        self.nodes += 1
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key, 0)] = upper
@@ -94,13 +126,16 @@ class RadixCache:
                 new = TreeNode(node, ids[i:], slots[i:].clone())
                 new.last_access = now
                 node.children[self._child_key(ids, i)] = new
+                self.nodes += 1
                 self.cached_pages += (len(ids) - i) // self.page_size
+                self._push(new)  # its parent, a leaf no more, keeps a stale entry
                 return i
             n = self._prefix_len(child.key, ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
             node, i = child, i + n
+        self._push(node)
         return i
 
     def lock(self, node: TreeNode) -> None:
@@ -116,23 +151,26 @@ class RadixCache:
             assert node.lock_ref >= 0
             if node.lock_ref == 0:
                 self.protected_pages -= len(node.key) // self.page_size
+                self._push(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
         """Remove unlocked leaves, LRU first, until at least num_pages pages are out of the
         tree (or none is left to remove). Returns those pages, for the caller to free."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
         freed: list[int] = []
-        while len(freed) < num_pages and leaves:
-            _, _, node = heapq.heappop(leaves)
+        while len(freed) < num_pages and self._heap:  # (a push may rebuild the heap)
+            _, seq, node = heapq.heappop(self._heap)
+            self.evict_pops += 1
+            if seq != node.heap_seq or node.lock_ref or node.children or node.parent is None:
+                continue  # stale: pushed again since, locked, grown a child, or gone
             pages = (node.value[::self.page_size] // self.page_size).tolist()
             freed += pages
             self.cached_pages -= len(pages)
+            self.nodes -= 1
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            node.parent, node.heap_seq = None, 0
+            self._push(parent)
         return freed
 
     def _nodes(self):
@@ -149,3 +187,10 @@ class RadixCache:
         locked = sum(len(n.key) // self.page_size for n in self._nodes() if n.lock_ref > 0)
         assert pages == self.cached_pages, (pages, self.cached_pages)
         assert locked == self.protected_pages, (locked, self.protected_pages)
+        nodes = list(self._nodes())
+        assert len(nodes) == self.nodes, (len(nodes), self.nodes)
+        # Every evictable leaf has its live entry, at its current access time.
+        live = {seq: access for access, seq, _ in self._heap}
+        for n in nodes:
+            if n.lock_ref == 0 and not n.children:
+                assert live.get(n.heap_seq) == n.last_access, "an evictable leaf is missing from the heap"
