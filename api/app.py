@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import asynccontextmanager
 
 import anyio
@@ -113,9 +114,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=422)
 
     async def redis_down(request: Request, exc: Exception):
+        # The client learns that Redis is away, not where it lives: the log has the details.
+        message = f"redis unavailable (ref {_logged('redis unavailable', exc, stack=False)})"
         if is_openai(request.url.path):
-            return OpenAIError(503, f"redis unavailable: {exc}", type="server_error").response()
-        return JSONResponse({"detail": f"redis unavailable: {exc}"}, status_code=503)
+            return OpenAIError(503, message, type="server_error").response()
+        return JSONResponse({"detail": message}, status_code=503)
 
     for error in REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
@@ -145,13 +148,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return OpenAIError(exc.status_code, str(exc.detail)).response(exc.headers)
         return await http_exception_handler(request, exc)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        message = f"internal error (ref {_logged('unhandled error', exc)}): the API's log has the details"
+        if is_openai(request.url.path):
+            return OpenAIError(500, message, type="server_error").response()
+        return JSONResponse({"detail": message}, status_code=500)
+
     @app.get("/healthz", response_model=Health, responses=UNAVAILABLE)
     def healthz(request: Request):
         """Liveness: the API is up and reaches Redis."""
         try:
             request.app.state.redis.ping()
         except redis.RedisError as e:
-            return JSONResponse({"detail": f"redis unavailable: {e}"}, status_code=503)
+            return JSONResponse({"detail": f"redis unavailable (ref {_logged('redis unavailable', e, stack=False)})"},
+                                status_code=503)
         return {"status": "ok", "redis": "ok"}
 
     @app.get("/metrics", include_in_schema=False)
@@ -162,6 +173,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added last, so outermost: it counts every answer, those of the middleware above too.
     app.add_middleware(metrics.RequestMetrics, openapi=app.openapi)
     return app
+
+
+def _logged(what: str, exc: Exception, stack: bool = True) -> str:
+    """Log an error the client is not shown; returns the reference its answer carries."""
+    ref = os.urandom(4).hex()
+    logging.getLogger("fanout.api").error("%s (ref %s): %s: %s", what, ref, type(exc).__name__, exc,
+                                          exc_info=exc if stack else None)
+    return ref
 
 
 class BodyLimit:

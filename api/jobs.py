@@ -178,7 +178,7 @@ def shard_counts(redis, job_id: str, status: str) -> dict[str, Any]:
     on = shards.running_on(redis, job_id) if status not in events.TERMINAL else {}
     total, released, ended = c.get("total", 0), c.get("released", 0), c.get("ended", 0)
     return {"total": total, "queued": max(0, released - ended - len(on)), "running": len(on),
-            "done": ended, "pending": total - released, "workers": sorted(set(on.values()))}
+            "done": ended, "pending": total - released, "workers": sorted({events.worker_ref(w) for w in on.values()})}
 
 
 def listing(redis, tenant: Tenant | None, after: str | None, limit: int,

@@ -145,7 +145,7 @@ def main() -> None:
                 share = Counter()
                 for w, n in ran.values():
                     share[w] += n
-                shares.append({w: share[w] / args.items for w in names})
+                shares.append({w: share[events.worker_ref(w)] / args.items for w in names})
                 shard_times.append(s1 / len(ran) * 2)  # two workers run shards side by side
                 print(f"scaling  run {r}: one job {s1:.2f}s, two jobs {s2:.2f}s, ratio {s1 / s2:.2f}; "
                       f"shares {', '.join(f'{v:.0%}' for v in shares[-1].values())}", flush=True)

@@ -27,6 +27,7 @@ Integers are decimal strings; `delta_ids`, `token_ids`, `usage` and `logprobs` a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -37,9 +38,16 @@ _INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed", "sha
 _JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs"})
 
 
+def worker_ref(name: str) -> str:
+    """What a job's readers see of the worker named `name`: an opaque id, the same for all of
+    its attempts (so a reader tells workers apart), without the host or PID a default name
+    carries. The worker logs it at start, for the operator to match."""
+    return "w-" + hashlib.blake2b(name.encode(), digest_size=6).hexdigest()
+
+
 def attempt(number: int, worker: str, shard: int, lo: int, hi: int) -> dict[str, str]:
-    """Attempt `number` of shard `shard` (items [lo, hi)) starts on `worker`."""
-    return {"type": ATTEMPT, "attempt": str(number), "worker": worker, "shard": str(shard),
+    """Attempt `number` of shard `shard` (items [lo, hi)) starts on the worker named `worker`."""
+    return {"type": ATTEMPT, "attempt": str(number), "worker": worker_ref(worker), "shard": str(shard),
             "lo": str(lo), "hi": str(hi)}
 
 

@@ -16,6 +16,7 @@ from . import events, keys, progress, store
 # KEYS: closed, stream, results, info, cancel, custom_ids, shards, running (all expired),
 # items (deleted: the input is not needed once the job ended).
 # ARGV: ttl, status, ended_at, field, value, ...
+# A succeeded job has no error: an earlier attempt's (reaped, retried) stays in the stream.
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
 # counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
 _CLOSE = """
@@ -24,6 +25,7 @@ local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
 local slot = redis.call('HGET', KEYS[4], 'slot')
 if slot then redis.call('DECR', slot) end
 redis.call('HSET', KEYS[4], 'ended_at', ARGV[3])
+if ARGV[2] == 'succeeded' then redis.call('HDEL', KEYS[4], 'error') end
 redis.call('DEL', KEYS[#KEYS])
 for i = 2, #KEYS - 1 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return id

@@ -262,3 +262,13 @@ def test_compose_spec_schema(compose):
     text = (importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
             / "compose-spec.json").read_text()
     jsonschema.validate(compose, json.loads(text))
+
+
+def test_the_api_is_published_on_loopback_unless_the_operator_says_otherwise(services):
+    """With no API keys every client sees every job: compose publishes the API on 127.0.0.1
+    unless FANOUT_API_BIND names another address."""
+    [port] = services["api"]["ports"]
+    assert port == "${FANOUT_API_BIND:-127.0.0.1}:8000:8000"
+    for name, svc in services.items():
+        if name != "api":
+            assert not svc.get("ports"), name

@@ -441,3 +441,16 @@ def test_the_worker_gets_a_gpu_and_writable_caches(docs):
                for m in c["volumeMounts"])
     images = {c["image"] for _, c in fanout_containers(docs)}
     assert len(images) == 1  # the Dockerfile's one image for the API and the workers
+
+
+def test_only_fanout_pods_and_the_keda_operator_reach_redis(docs):
+    """Not every pod of KEDA's namespace: its operator's pods (both selectors in one entry)."""
+    policy = one(docs, "NetworkPolicy", "redis")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    [rule] = policy["spec"]["ingress"]
+    sources = rule["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fanout"}}} in sources
+    keda = [s for s in sources if "namespaceSelector" in s]
+    assert keda == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
+                     "podSelector": {"matchLabels": {"app": "keda-operator"}}}]
+    assert len(sources) == 2 and rule["ports"] == [{"port": 6379, "protocol": "TCP"}]

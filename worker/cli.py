@@ -26,6 +26,7 @@ import httpx
 import redis
 
 from api import batchfile, tenants
+from results import events
 from results.client import ApiError
 from worker import logs
 from worker.engine.config import EngineConfig
@@ -150,6 +151,8 @@ def cmd_worker(args) -> None:
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval,
                         model=args.served_model_name or served_name(args.model))
+    logging.getLogger("fanout.worker").info("worker %s: its jobs' readers see it as %s", consumer.name,
+                                            events.worker_ref(consumer.name))
     if args.metrics_port is not None:
         consumer.metrics.serve(args.metrics_port, args.metrics_host)
         logging.getLogger("fanout.worker").info("metrics on http://%s:%d/metrics", args.metrics_host,

@@ -134,6 +134,12 @@ class WorkerProc:
         self.proc = None
         self.name = None
 
+    @property
+    def ref(self) -> str:
+        """What the job's readers see of this worker (stream attempt entries, shards.workers)."""
+        from results.events import worker_ref
+        return worker_ref(self.name)
+
     def start(self):
         from rq.worker import Worker
         self.count += 1

@@ -160,7 +160,7 @@ def test_rq_sees_the_truth_while_running_and_after(client, redis, worker):
     info = client.status(job["id"])
     assert info["status"] == "running"
     assert info["shards"] == {"total": 1, "queued": 0, "running": 1, "done": 0, "pending": 0,
-                              "workers": [worker.name]}
+                              "workers": [worker.ref]}
     for _ in it:
         pass
     assert not Job.exists(rq_job.id, connection=redis)

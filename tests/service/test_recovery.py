@@ -194,6 +194,8 @@ def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, en
     finally:
         last.stop()
     assert follow[-1][1]["status"] == "succeeded"
+    # Its status carries no error: the reaped attempts' are in the stream's status entries.
+    assert Client(service["api"]).status(job)["error"] is None
     es = entries(r, job)
     attempts = [k for k, e in enumerate(es) if e["type"] == "attempt"]
     assert len(attempts) == 4

@@ -84,7 +84,7 @@ def test_one_job_runs_on_both_workers_with_the_outputs_of_one_engine(fleet, engi
         share = Counter()
         for worker, items in ran.values():
             share[worker] += items
-        assert set(share) == {w.name for w in fleet["workers"]}, share
+        assert set(share) == {w.ref for w in fleet["workers"]}, share
         # Whatever ran where, the samples are the ones one engine makes from the job seed.
         assert outputs(client, job_id) == reference(engine, PROMPTS, params)
 
@@ -134,7 +134,7 @@ def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
     with Client(fleet["api"]) as client:
         def both_running_and_some_stored():
             info = client.status(job_id)
-            return victim.name in info["shards"]["workers"] and info["progress"]["samples_done"] >= 4 \
+            return victim.ref in info["shards"]["workers"] and info["progress"]["samples_done"] >= 4 \
                 and info["status"] == "running"
         wait_for(both_running_and_some_stored, 60, "the victim to hold shards mid-job", interval=0.02)
         victim.stop(signal.SIGKILL)
@@ -147,7 +147,7 @@ def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
         es = entries(r, job_id)
         check_once(es, 48)
         retried = {e["shard"] for e in es if e["type"] == "attempt" and e["attempt"] == 2}
-        assert retried and all(e["worker"] == other.name for e in es
+        assert retried and all(e["worker"] == other.ref for e in es
                                if e["type"] == "attempt" and e["attempt"] == 2)
         assert outputs(client, job_id) == reference(engine, PROMPTS[:48], params)
         rb = reader.Rebuilder()
@@ -164,14 +164,14 @@ def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
     job_id = submit(r, PROMPTS[:48], params, seed=12)
     leaving, staying = fleet["workers"]
     with Client(fleet["api"]) as client:
-        wait_for(lambda: leaving.name in client.status(job_id)["shards"]["workers"], 60,
+        wait_for(lambda: leaving.ref in client.status(job_id)["shards"]["workers"], 60,
                  "the leaving worker to hold shards", interval=0.02)
         assert leaving.stop() == 0  # drain timeout 0: its shards go back to the front of the queue
         wait_for(lambda: client.status(job_id)["status"] == "succeeded", 120, "the job", interval=0.2)
         es = entries(r, job_id)
         check_once(es, 48)
         handed = [e for e in es if e["type"] == "attempt" and e["attempt"] == 2]
-        assert handed and all(e["worker"] == staying.name for e in handed)
+        assert handed and all(e["worker"] == staying.ref for e in handed)
         assert outputs(client, job_id) == reference(engine, PROMPTS[:48], params, seed=12)
     leaving.start()
 
