@@ -14,6 +14,13 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 
 
 SKIP = frozenset({"body", "query", "path", "form"}) | CONTENT_TAGS  # not names of fields
+# The labels pydantic gives a union's members in a location (`stop.constrained-str`,
+# `stop.list[constrained-str].0`, `n.int`): types, never the name of a field.
+TYPE_LABELS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field(p) -> bool:
+    return isinstance(p, int) or (p not in SKIP and p.isidentifier() and p not in TYPE_LABELS)
 
 
 class ErrorBody(BaseModel):
@@ -57,7 +64,7 @@ def not_found(what: str, id: str, code: str | None = None) -> OpenAIError:
 
 def param(loc) -> str | None:
     """A pydantic location as OpenAI names a parameter: messages.0.content -> messages[0].content."""
-    parts = [p for p in loc if p not in SKIP]
+    parts = [p for p in loc if _field(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -67,7 +74,11 @@ def param(loc) -> str | None:
 def from_validation(errors: list[dict]) -> OpenAIError:
     """The first of pydantic's errors, in OpenAI's words: an unknown field is an unsupported
     parameter; the message names the field."""
-    e = errors[0]
+    # A union's members each report an error on the same field: the deepest says most
+    # (`stop[0]: at least 1 character`, not `stop: should be a string`).
+    first = param(errors[0].get("loc", ()))
+    e = max((x for x in errors if param(x.get("loc", ())) is not None and first is not None
+             and param(x.get("loc", ())).startswith(first)), key=lambda x: len(x.get("loc", ())), default=errors[0])
     name = param(e.get("loc", ()))
     if e.get("type") == "extra_forbidden":
         return OpenAIError(400, f"Unrecognized request argument supplied: {name} (not supported by this server)",

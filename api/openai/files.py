@@ -17,8 +17,11 @@ import anyio
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
+from redis.exceptions import WatchError
+
 from results import keys
 
+from ..tenants import OverLimit
 from . import batchinput
 from .errors import OpenAIError, not_found
 from .schemas import FileDeleted, FileList, FileObject
@@ -33,18 +36,40 @@ def _tenant_id(tenant) -> str | None:
 
 
 def save(redis, content: bytes, filename: str, purpose: str, tenant_id: str | None, ttl: int | None,
-         file_id: str | None = None) -> dict:
-    """Store a file (under `file_id` if given: saving again replaces it); returns its object."""
+         file_id: str | None = None, quota: int | None = None) -> dict:
+    """Store a file (under `file_id` if given: saving again replaces it); returns its object.
+    `quota`: the tenant's file_bytes limit, checked against its live files of this purpose
+    in the same transaction as the save (OverLimit past it)."""
     now = int(time.time())
     obj = {"id": file_id or "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": now,
            "filename": filename, "purpose": purpose, "status": "processed",
            "expires_at": now + ttl if ttl else None, "status_details": None}
+    listed = keys.files(tenant_id)
     with redis.pipeline() as pipe:
-        pipe.set(keys.file_content(obj["id"]), content, ex=ttl)
-        pipe.set(keys.file(obj["id"]), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
-        pipe.zadd(keys.files(tenant_id), {obj["id"]: now})
-        pipe.execute()
-    return obj
+        while True:
+            try:
+                if quota is not None:
+                    pipe.watch(listed)  # an upload or delete of this tenant meanwhile: again
+                    held = _held(pipe, listed, purpose)
+                    if held + len(content) > quota:
+                        pipe.reset()
+                        raise OverLimit("file_bytes", f"{held} bytes of files kept and {len(content)} more, over "
+                                                      f"this API key's limit of {quota} (file_bytes)")
+                pipe.multi()
+                pipe.set(keys.file_content(obj["id"]), content, ex=ttl)
+                pipe.set(keys.file(obj["id"]), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
+                pipe.zadd(listed, {obj["id"]: now})
+                pipe.execute()
+                return obj
+            except WatchError:
+                continue
+
+
+def _held(pipe, listed: str, purpose: str) -> int:
+    """Bytes of the listed files of `purpose` still there (expired ones count nothing)."""
+    ids = [i.decode() for i in pipe.zrange(listed, 0, -1)]
+    records = pipe.mget([keys.file(i) for i in ids]) if ids else []
+    return sum(o["bytes"] for o in (json.loads(r) for r in records if r) if o["purpose"] == purpose)
 
 
 def get(redis, file_id: str, tenant) -> dict:
@@ -87,8 +112,10 @@ async def upload(request: Request, file: UploadFile = File(description="JSONL, o
         await anyio.to_thread.run_sync(batchinput.parse, data, st.settings)
     except batchinput.Invalid as e:
         raise OpenAIError(400, f"invalid batch file: {e}", "file", "invalid_file") from None
-    return await anyio.to_thread.run_sync(save, st.redis, data, file.filename or "batch.jsonl", "batch",
-                                          _tenant_id(request.state.tenant), seconds)
+    tenant = request.state.tenant
+    quota = tenant.limits.get("file_bytes") if tenant else None
+    return await anyio.to_thread.run_sync(lambda: save(st.redis, data, file.filename or "batch.jsonl", "batch",
+                                                       _tenant_id(tenant), seconds, quota=quota))
 
 
 @router.get("/files", response_model=FileList)

@@ -105,6 +105,9 @@ def test_unsupported_fields_bad_values_and_unknown_models_get_openai_errors(oai)
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="llama", messages=CHAT, n=9)  # conftest: FANOUT_MAX_N=8
     assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:  # a union's member labels are not named
+        oai.chat.completions.create(model="llama", messages=CHAT, stop=["ok", ""])
+    assert e.value.param == "stop[1]" and "constrained" not in e.value.message, e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert (e.value.param, e.value.code) == ("model", "model_not_found")

@@ -221,3 +221,27 @@ def test_requests_per_second_allows_no_double_burst_across_a_second(service):
     assert first == [404] * 5
     assert second.count(404) <= 1 + int(elapsed * 5), (second, elapsed)
     assert second.count(429) >= 2, second
+
+
+def test_file_bytes_bounds_what_a_key_keeps_in_files(service):
+    """A key with file_bytes: uploads pass while its kept files fit, the next one is a 429
+    naming the limit (exact under concurrent uploads), and deleting a file frees its bytes."""
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "llama", "messages": [{"role": "user", "content": "x" * 400}]}}) + "\n"
+    size = len(line.encode())
+    key, _ = service.key(name="files", limits={"file_bytes": 3 * size})
+
+    def upload(c):
+        return c.post("/v1/files", files={"file": ("in.jsonl", line.encode())}, data={"purpose": "batch"})
+
+    with http(service.url, key) as c:
+        first = upload(c)
+        assert first.status_code == 200, first.text
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: upload(c), range(6)))
+        assert sum(r.status_code == 200 for r in answers) == 2
+        refused = [r for r in answers if r.status_code == 429]
+        assert len(refused) == 4 and all(r.json()["error"]["code"] == "file_bytes" for r in refused)
+        assert "file_bytes" in refused[0].json()["error"]["message"]
+        assert c.delete(f"/v1/files/{first.json()['id']}").status_code == 200
+        assert upload(c).status_code == 200
