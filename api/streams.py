@@ -173,6 +173,10 @@ class Hub:
                     log.warning("stream reader: redis unavailable (%s); trying again", e)
                     await asyncio.sleep(1.0)
                     continue
+                except redis.exceptions.RedisError:  # not an outage: say so, and keep reading
+                    log.exception("stream reader: the read failed; trying again")
+                    await asyncio.sleep(1.0)
+                    continue
                 for key, entries in got or []:
                     self._hand_out(_text(key), entries)
         finally:
@@ -203,6 +207,9 @@ class Hub:
             try:
                 gone = await self.revoked(tenants)
             except redis.exceptions.RedisError:
+                continue
+            except Exception:  # noqa: BLE001 - the check must outlive one bad record
+                log.exception("stream reader: looking up the followers' API keys failed")
                 continue
             for f in [f for f in self.followers if f.tenant_id in gone]:
                 f.closed = "the API key was revoked"
