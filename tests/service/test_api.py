@@ -46,6 +46,11 @@ BAD = [
     ({"prompts": ["a"], "sampling_params": {"stop_token_ids": [2**63]}},
      ["body", "sampling_params", "stop_token_ids", 0], "less than"),
     ({"prompts": ["a"], "sampling_params": {"top_logprobs": 3}}, ["body", "sampling_params"], "needs logprobs"),
+    ({"prompts": ["a"], "sampling_params": {"json_schema": {"$ref": "#"}}}, ["body", "sampling_params", "json_schema"],
+     "leads back to itself"),
+    ({"prompts": ["a"], "sampling_params": {"json_schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {
+        "$ref": "#/$defs/a", "description": "b"}}, "$ref": "#/$defs/a"}}},
+     ["body", "sampling_params", "json_schema"], "leads back to itself"),
     ({"prompts": ["a"], "sampling_params": {"seed": 2**63}}, ["body", "sampling_params", "seed"], "less than"),
     ({"prompts": ["a"], "priority": "urgent"}, ["body", "priority"], "high"),
     ({"prompts": ["a"], "metadata": "note"}, ["body", "metadata"], "valid dictionary"),

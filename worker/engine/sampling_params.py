@@ -83,6 +83,10 @@ class SamplingParams(BaseModel):
                 raise ValueError("must be a JSON object")
         elif len(_canonical(v)) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters as JSON")
+        loop = _ref_loop(json.loads(v) if isinstance(v, str) else v)
+        if loop is not None:
+            raise ValueError(f"$ref {loop!r} leads back to itself through references alone: no value "
+                             "can match it")
         _check_grammar("json_schema", _canonical(v))
         return v
 
@@ -158,6 +162,47 @@ def llguidance_grammar(kind: str, text: str) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     return llguidance.grammar_from("choice", text)
+
+
+# Keywords that add nothing a value must match: a schema of these and a $ref is an alias.
+_ANNOTATIONS = frozenset({"$ref", "$id", "$schema", "$comment", "$defs", "definitions", "title", "description",
+                          "default", "examples", "deprecated", "readOnly", "writeOnly"})
+_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: not looked into
+
+
+def _ref_loop(schema: dict) -> str | None:
+    """A local $ref that comes back to where it started through aliases alone ({"$ref": "#"},
+    or two $defs naming each other): no value matches it, and the grammar libraries answer
+    it with an empty output that 'stops'. Returns that $ref, or None."""
+    def resolve(ref: str):
+        node = schema
+        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(v for k, v in node.items() if k not in _DATA)
+        seen, n = set(), node
+        while isinstance(n, dict) and isinstance(n.get("$ref"), str) and n["$ref"].startswith("#") \
+                and set(n) <= _ANNOTATIONS:
+            if id(n) in seen:
+                return node["$ref"]
+            seen.add(id(n))
+            n = resolve(n["$ref"])
+    return None
 
 
 def _check_grammar(kind: str, text: str) -> None:
