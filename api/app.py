@@ -32,7 +32,7 @@ from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
 from .openai.errors import OpenAIError, from_validation, is_openai
-from .schemas import UNION_TAGS, ErrorOut, Health
+from .schemas import UNION_TAGS, ErrorOut, Health, Version
 from .submit import router
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (a restart) too
@@ -156,6 +156,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": message}, status_code=500)
 
     @app.get("/healthz", response_model=Health, responses=UNAVAILABLE)
+    @app.get("/health", response_model=Health, responses=UNAVAILABLE)  # vLLM's and SGLang's name
     def healthz(request: Request):
         """Liveness: the API is up and reaches Redis."""
         try:
@@ -164,6 +165,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"detail": f"redis unavailable (ref {_logged('redis unavailable', e, stack=False)})"},
                                 status_code=503)
         return {"status": "ok", "redis": "ok"}
+
+    @app.get("/version", response_model=Version)
+    def version():
+        """This server's version (vLLM's and SGLang's route)."""
+        return {"version": app.version}
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus(request: Request):

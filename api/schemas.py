@@ -186,3 +186,7 @@ class LimitOut(ErrorOut):
 class Health(BaseModel):
     status: Literal["ok"]
     redis: str
+
+
+class Version(BaseModel):
+    version: str

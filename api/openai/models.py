@@ -16,13 +16,14 @@ from .schemas import ChatMessage, Model, ModelList, image_error
 router = APIRouter()
 
 
-def served(redis) -> dict[str, int]:
-    """name -> when it started being served (Unix seconds)."""
+def served(redis) -> dict[str, dict]:
+    """name -> its model object (id, when it started being served, its context length)."""
     now, out = time.time(), {}
     for name, raw in redis.hgetall(keys.models()).items():
         entry = json.loads(raw)
         if entry["expires"] > now:
-            out[name.decode()] = entry["created"]
+            out[name.decode()] = {"id": name.decode(), "root": name.decode(), "created": entry["created"],
+                                  "max_model_len": entry.get("max_model_len")}
     return out
 
 
@@ -53,12 +54,12 @@ def require_images(redis, name: str, messages: list[ChatMessage]) -> None:
 @router.get("/models", response_model=ModelList)
 def list_models(request: Request):
     """The models that live workers serve."""
-    return {"data": [{"id": name, "created": t} for name, t in sorted(served(request.app.state.redis).items())]}
+    return {"data": [m for _, m in sorted(served(request.app.state.redis).items())]}
 
 
 @router.get("/models/{model:path}", response_model=Model)
 def get_model(model: str, request: Request):
-    created = served(request.app.state.redis).get(model)
-    if created is None:
+    found = served(request.app.state.redis).get(model)
+    if found is None:
         raise not_found("model", model, code="model_not_found")
-    return {"id": model, "created": created}
+    return found

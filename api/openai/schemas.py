@@ -183,6 +183,8 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(description="when a worker started serving it (Unix seconds)")
     owned_by: str = "fanout"
+    root: str = Field(description="the model it is (here: its id, as vLLM answers for a base model)")
+    max_model_len: int | None = Field(None, description="its context length in tokens (prompt + output)")
 
 
 class ModelList(BaseModel):

@@ -232,6 +232,8 @@ def test_openapi_documents_every_response(http):
     assert set(paths["/v1/jobs/{job_id}/cancel"]["post"]["responses"]) >= {"202", "404", "409", "422"}
     assert "text/event-stream" in paths["/v1/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]
     assert http.get("/healthz").json() == {"status": "ok", "redis": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "redis": "ok"}  # the name vLLM's users script
+    assert http.get("/version").json() == {"version": spec["info"]["version"]}
 
 
 

@@ -25,9 +25,11 @@ def chat_ids(engine, chat):
                add_special_tokens=False)["input_ids"]
 
 
-def test_models_lists_what_the_worker_serves(oai):
+def test_models_lists_what_the_worker_serves(oai, engine):
     assert [m.id for m in oai.models.list().data] == ["llama"]  # the model folder's name
-    assert oai.models.retrieve("llama").owned_by == "fanout"
+    card = oai.models.retrieve("llama")
+    assert card.owned_by == "fanout" and card.root == "llama"
+    assert card.max_model_len == engine.max_context  # what vLLM's clients read the context from
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("gpt-4o")
 
