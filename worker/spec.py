@@ -85,6 +85,10 @@ def _part_tag(v) -> str | None:
 PART_ERROR = "a content part is {type: text, text} or {type: image_url, image_url: {url}}"
 
 
+def _content_tag(v) -> str | None:
+    return "string" if isinstance(v, str) else "parts" if isinstance(v, list) else None
+
+
 def content_type(image_part: type[ImagePart] = ImagePart):
     """A message's content: a string, or a non-empty list of text parts and `image_part`s (the
     OpenAI surface passes its own, whose URL also takes `detail`). Error locations are tagged
@@ -95,14 +99,18 @@ def content_type(image_part: type[ImagePart] = ImagePart):
                                    custom_error_message=PART_ERROR)]
     parts = Annotated[list[part], Field(min_length=1)]
     return Annotated[Annotated[Text, Tag("string")] | Annotated[parts, Tag("parts")],
-                     Discriminator(lambda v: "string" if isinstance(v, str) else "parts")]
+                     Discriminator(_content_tag, custom_error_type="content",
+                                   custom_error_message="a content is a string or a list of parts")]
 
 
 CONTENT_TAGS = frozenset({"string", "parts", "text_part", "image_part"})
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's
+
+
 class Message(Strict):
-    role: Annotated[str, Field(min_length=1, max_length=64)]
+    role: Role
     content: content_type() = Field(description=(
         "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
         "(data URLs; images need a model that takes them)"))

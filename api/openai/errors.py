@@ -80,6 +80,11 @@ def from_validation(errors: list[dict]) -> OpenAIError:
     e = max((x for x in errors if param(x.get("loc", ())) is not None and first is not None
              and param(x.get("loc", ())).startswith(first)), key=lambda x: len(x.get("loc", ())), default=errors[0])
     name = param(e.get("loc", ()))
+    if e.get("type") == "json_invalid":  # its location is a character offset, not a field
+        at = next((p for p in e.get("loc", ()) if isinstance(p, int)), None)
+        where = f" at character {at}" if at is not None else ""
+        return OpenAIError(400, f"the body is not valid JSON ({e.get('msg', 'JSON decode error')}{where})",
+                           code="invalid_json")
     if e.get("type") == "extra_forbidden":
         return OpenAIError(400, f"Unrecognized request argument supplied: {name} (not supported by this server)",
                            param=name, code="unsupported_parameter")

@@ -12,7 +12,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
 from worker.settings import Settings
-from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, content_type
+from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, Role, content_type
 
 from ..schemas import MetadataKey, MetadataValue, Priority
 from .errors import OpenAIError
@@ -85,7 +85,7 @@ class ChatImagePart(ImagePart):
 
 
 class ChatMessage(Strict):
-    role: Annotated[str, Field(min_length=1, max_length=64)]
+    role: Role
     content: content_type(ChatImagePart) = Field(description=(
         "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
         "takes images)"))

@@ -107,6 +107,16 @@ def test_unsupported_fields_bad_values_and_unknown_models_get_openai_errors(oai)
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="llama", messages=CHAT, n=9)  # conftest: FANOUT_MAX_N=8
     assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=[{"role": "wizard", "content": "x"}])
+    assert e.value.param == "messages[0].role" and "'assistant'" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": 5}])
+    assert e.value.param == "messages[0].content" and "a string or a list of parts" in e.value.message
+    bad = httpx.post(str(oai.base_url) + "chat/completions", content=b'{"model": x}',
+                     headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] is None
+    assert bad.json()["error"]["code"] == "invalid_json" and "character 10" in bad.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:  # a union's member labels are not named
         oai.chat.completions.create(model="llama", messages=CHAT, stop=["ok", ""])
     assert e.value.param == "stop[1]" and "constrained" not in e.value.message, e.value.message
