@@ -27,7 +27,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
-from . import auth, metrics, streams, tenants
+from . import auth, metrics, streams, tenants, tokenize
 from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router, dependencies=[Depends(auth.authenticate)],
                        responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(openai_router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
+    app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
     @app.get("/docs", include_in_schema=False)

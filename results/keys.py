@@ -53,6 +53,12 @@ def jobs(tenant: str | None) -> str:
     return f"{PREFIX}:jobs" if tenant is None else f"{PREFIX}:tenant:{tenant}:jobs"
 
 
+def tokenizer(model: str) -> str:
+    """Hash of a served model's tokenizer files (file name -> bytes, plus `digest`), written by
+    each of its workers when it starts: the API's /tokenize and /detokenize load it."""
+    return f"{PREFIX}:model:{model}:tokenizer"
+
+
 def models() -> str:
     """Hash of the served models: name -> JSON {created, expires}; each worker refreshes its
     model's entry with its heartbeat, so a model is served while `expires` is ahead."""

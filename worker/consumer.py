@@ -139,6 +139,7 @@ class Consumer(Outages, Publishing, BaseWorker):
     def run(self, burst: bool = False) -> None:
         """Work until SIGTERM / SIGINT (or, with burst, until the queues are empty)."""
         self.bootstrap()
+        self.retrying(self.share_tokenizer)
         self.retrying(self.beat)  # the model is listed before this worker says it is ready
         self.set_state(WorkerStatus.IDLE)
         self._install_signal_handlers()
@@ -276,6 +277,28 @@ class Consumer(Outages, Publishing, BaseWorker):
             self.connection.lpush(queue.key, job_id)
 
     # -- heartbeats and reaping ------------------------------------------------------
+
+    def share_tokenizer(self) -> None:
+        """The model's tokenizer files in Redis (keys.tokenizer), for the API's /tokenize: the
+        API never reads a model's files. Written in one transaction, with their digest."""
+        import hashlib
+        import tempfile
+
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.engine.tokenizer.save_pretrained(tmp)
+                files = {}
+                for name in sorted(os.listdir(tmp)):
+                    with open(os.path.join(tmp, name), "rb") as f:
+                        files[name] = f.read()
+        except Exception as e:  # noqa: BLE001 - the model serves all the same, /tokenize answers 503
+            log.warning("the tokenizer could not be saved for the API's /tokenize: %s: %s", type(e).__name__, e)
+            return
+        digest = hashlib.blake2b(b"".join(n.encode() + b"\0" + d for n, d in files.items()), digest_size=8)
+        with self.connection.pipeline() as pipe:
+            pipe.delete(keys.tokenizer(self.model))
+            pipe.hset(keys.tokenizer(self.model), mapping={**files, "digest": digest.hexdigest()})
+            pipe.execute()
 
     def beat(self) -> None:
         """Heartbeat the worker and each running job's execution, in one transaction that

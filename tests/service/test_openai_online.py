@@ -163,3 +163,23 @@ def test_a_lone_surrogate_in_a_message_is_a_400_naming_it(api_url, worker):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages[0].content" and "lone surrogate" in err["message"], err
+
+
+def test_tokenize_and_detokenize_give_the_engines_ids(api_url, worker, engine):
+    """vLLM's /tokenize and /detokenize, with the tokenizer the worker published: a prompt's
+    ids are a job's, a chat's are its template's, and the text comes back."""
+    r = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "hello world"})
+    assert r.status_code == 200, r.text
+    ids = engine.tokenizer("hello world", add_special_tokens=True)["input_ids"]
+    assert r.json() == {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+    chat = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(api_url + "/tokenize", json={"model": "llama", "messages": chat})
+    assert r.json()["tokens"] == chat_ids(engine, chat)
+    back = httpx.post(api_url + "/detokenize", json={"model": "llama", "tokens": ids}).json()["prompt"]
+    assert back == engine.tokenizer.decode(ids)
+    bad = httpx.post(api_url + "/detokenize", json={"model": "llama", "tokens": [5, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    missing = httpx.post(api_url + "/tokenize", json={"model": "gpt-4o", "prompt": "x"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    both = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "x", "messages": chat})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]

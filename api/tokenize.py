@@ -1,0 +1,126 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes, with a served model's own tokenizer.
+
+The API never reads a model's files: each worker publishes its tokenizer's files to Redis
+when it starts (keys.tokenizer, with their digest), and an API process loads them once per
+digest. Ids are the engine's: a prompt is tokenized as a job's prompt is (special tokens
+added unless `add_special_tokens: false`), a chat as a job's chat is (its template with the
+generation prompt, then tokenized without adding special tokens again). Errors are
+OpenAI-shaped, as vLLM answers them.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, model_validator
+
+from results import keys
+from worker.engine.sampling_params import TokenId
+from worker.spec import Strict
+
+from .openai import models
+from .openai.errors import OpenAIError
+from .openai.schemas import ChatMessage
+
+router = APIRouter()
+
+_loaded: dict[str, tuple[str, object, threading.Lock]] = {}  # model -> (digest, tokenizer, its lock)
+
+
+class TokenizeRequest(Strict):
+    model: str = Field(min_length=1)
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = Field(None, description="prompts: true by default; chats: false "
+                                                              "(the template holds them)")
+    add_generation_prompt: bool = Field(True, description="chats: end with the assistant's turn, as a job's chat does")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+
+
+class DetokenizeRequest(Strict):
+    model: str = Field(min_length=1)
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _tokenizer(redis, model: str):
+    """The model's tokenizer and its lock (a tokenizer is not used by two threads at once)."""
+    models.require(redis, model)
+    digest = redis.hget(keys.tokenizer(model), "digest")
+    if digest is None:
+        raise OpenAIError(503, f"the workers of {model!r} have not published their tokenizer yet",
+                          type="server_error", code="tokenizer_unavailable")
+    digest = digest.decode()
+    got = _loaded.get(model)
+    if got is None or got[0] != digest:
+        from transformers import AutoTokenizer
+
+        files = redis.hgetall(keys.tokenizer(model))
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in files.items():
+                name = name.decode()
+                if name != "digest" and os.path.basename(name) == name:
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
+            got = _loaded[model] = (digest, AutoTokenizer.from_pretrained(tmp), threading.Lock())
+    return got[1], got[2]
+
+
+def _tokenize(redis, req: TokenizeRequest) -> dict:
+    tok, lock = _tokenizer(redis, req.model)
+    with lock:
+        if req.prompt is not None:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"]
+        else:
+            for i, m in enumerate(req.messages):
+                if m.image_parts():
+                    raise OpenAIError(400, "tokenize takes text chats: an image's tokens depend on its pixels",
+                                      param=f"messages[{i}].content", code="unsupported_parameter")
+            chat = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:
+                raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
+            ids = tok(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
+    return {"count": len(ids), "max_model_len": models.served(redis)[req.model]["max_model_len"], "tokens": ids}
+
+
+def _detokenize(redis, req: DetokenizeRequest) -> dict:
+    tok, lock = _tokenizer(redis, req.model)
+    size = len(tok)
+    for i, t in enumerate(req.tokens):
+        if t >= size:
+            raise OpenAIError(400, f"token {t} is outside the vocabulary ({size} tokens)", param=f"tokens[{i}]",
+                              code="invalid_value")
+    with lock:
+        return {"prompt": tok.decode(req.tokens)}
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(req: TokenizeRequest, request: Request):
+    """Token ids of a prompt or a text chat, as the model's engine makes them."""
+    return await anyio.to_thread.run_sync(_tokenize, request.app.state.redis, req)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(req: DetokenizeRequest, request: Request):
+    """The text of token ids."""
+    return await anyio.to_thread.run_sync(_detokenize, request.app.state.redis, req)
