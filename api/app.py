@@ -61,8 +61,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Short reads only (the blocking one is the stream hub's own connection); a pool that
         # waits for a free connection, so a thousand followers starting at once queue for it
         # instead of failing with "Too many connections".
+        # (A connect timeout counts this process's event loop too: 10 s, not 2, so a loop busy
+        # with a thousand streams does not fail a read that Redis would answer.)
         pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30,
-                                                        socket_connect_timeout=2, socket_timeout=30)
+                                                        socket_connect_timeout=10, socket_timeout=30)
         app.state.aredis = aioredis.Redis(connection_pool=pool, retry=_retry(AsyncRetry))
 
         async def revoked(ids: set[str]) -> set[str]:

@@ -33,6 +33,7 @@ COUNT = 1000  # entries per stream per read
 BLOCK_MS = 5000  # the hub's XREAD block; a subscribe wakes it at once
 MAX_QUEUED = 64  # batches a follower may have waiting; past them it reads on its own
 REVOKE_CHECK = 2.0  # seconds between looks for revoked keys
+READ_RETRIES = (0.2, 0.5, 1.0, 2.0)  # seconds before each new try of a failed catch-up read
 
 
 CLOSED = "closed"  # the SSE event, and the entry type, of a follower the hub ended
@@ -82,7 +83,7 @@ class Follower:
         if self.closed:
             return []
         if not self.subscribed and self.queue.empty():
-            got = await self.hub.redis.xread({self.key: self.last}, count=COUNT)
+            got = await self.read()
             if got:
                 return self._take(got[0][1])
             self.given = self.last
@@ -97,6 +98,19 @@ class Follower:
             except asyncio.TimeoutError:
                 return []
         return self._take(batch)
+
+    async def read(self, count: int = COUNT):
+        """XREAD of the stream after `last` (not moving it), tried again through a busy
+        moment (a connection slow to open, a slow reply); only Redis staying away ends the
+        follower (ConnectionError or TimeoutError: the caller ends its stream, the client
+        resumes with Last-Event-ID)."""
+        for delay in READ_RETRIES + (None,):
+            try:
+                return await self.hub.redis.xread({self.key: self.last}, count=count)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
 
     def _take(self, entries) -> list[tuple[str, dict]]:
         out = [(_text(i), f) for i, f in entries]

@@ -190,7 +190,7 @@ async def job_events(job_id: str, request: Request,
             while True:
                 try:
                     batch = await follower.next(st.settings.sse_keepalive)
-                except redis.exceptions.ConnectionError:
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     # Redis or this process is going away (shutdown): end the stream; the
                     # client resumes with Last-Event-ID on another API process.
                     return
@@ -200,7 +200,7 @@ async def job_events(job_id: str, request: Request,
                 if not batch:
                     yield ": keep-alive\n\n"
                     done = await anyio.to_thread.run_sync(ended, st, job_id)
-                    if done and not await st.aredis.xread({key: follower.last}, count=1):
+                    if done and not await follower.read(1):
                         return  # resumed after the terminal entry: the client has the end
                     continue
                 for entry_id, fields in batch:

@@ -122,7 +122,7 @@ async def _follow(st, follower: streams.Follower, job_id: str, request: Request 
                 return
             if not batch:
                 if (await anyio.to_thread.run_sync(submit.ended, st, job_id)
-                        and not await st.aredis.xread({follower.key: follower.last}, count=1)):
+                        and not await follower.read(1)):
                     ended = True
                     return
                 continue

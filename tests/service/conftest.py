@@ -152,8 +152,10 @@ class WorkerProc:
         def registered():
             if not self.proc.alive():
                 raise RuntimeError(f"worker exited:\n{self.proc.tail()}")
-            # Registered (it has its model loaded); it may be busy at once with a waiting job.
-            return Worker.find_by_key(Worker.redis_worker_namespace_prefix + self.name, connection=conn)
+            # Registered (it has its model loaded) and ready: its model is listed (run() says
+            # idle only after that); it may be busy at once with a waiting job.
+            w = Worker.find_by_key(Worker.redis_worker_namespace_prefix + self.name, connection=conn)
+            return w is not None and w.get_state() in ("idle", "busy")
 
         wait_for(registered, 90, "the worker to register with rq")
         conn.close()
