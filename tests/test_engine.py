@@ -315,13 +315,15 @@ def test_fair_shares_let_a_small_owner_join_a_full_engine(llama_path):
         eng.step()
     assert not eng.has_room() and eng.has_room_for_owner()
     eng.add("b", [(0, "small one", None), (1, "small two", None)], sp_b, seed=5, sink=box.append)
+    while len(eng.front.text):  # tokenized on the intake thread, however long that takes here
+        eng.step()
     steps = 0
     while sum(ev.finished for ev in box if ev.tag == "b") < 2:
         eng.step()
         steps += 1
         # B never waits beyond its share, and the slots stay bounded.
         assert len(eng.scheduler.running) <= 16
-    assert steps <= 12  # tokenized on the intake thread, admitted within a step or two, 4 tokens
+    assert steps <= 6  # admitted at the next step (its prefill gives the first token), then 3 more
     assert eng.scheduler.num_retractions == 2
     assert not any(ev.finished for ev in box if ev.tag == "a")  # A still runs
     while sum(ev.finished for ev in box if ev.tag == "a") < 16:
