@@ -167,8 +167,9 @@ def test_a_lone_surrogate_in_a_message_is_a_400_naming_it(api_url, worker):
 
 def test_tokenize_and_detokenize_give_the_engines_ids(api_url, worker, engine):
     """vLLM's /tokenize and /detokenize, with the tokenizer the worker published: a prompt's
-    ids are a job's, a chat's are its template's, and the text comes back."""
-    r = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "hello world"})
+    ids are a job's, a chat's are its template's, and the text comes back. (The first call
+    loads the tokenizer in the API process: seconds on a busy machine, hence the timeout.)"""
+    r = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "hello world"}, timeout=60)
     assert r.status_code == 200, r.text
     ids = engine.tokenizer("hello world", add_special_tokens=True)["input_ids"]
     assert r.json() == {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
