@@ -42,6 +42,12 @@ def shards(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:shards"
 
 
+def taking() -> str:
+    """Hash of the shards taken off a queue and not claimed yet: shard id -> "<time> <queue
+    key>". A worker that dies between the two leaves its entry; the reapers put it back."""
+    return f"{PREFIX}:taking"
+
+
 def running(job_id: str) -> str:
     """Hash of the job's running shards: shard number -> JSON {worker, execution, stored}."""
     return f"{PREFIX}:job:{job_id}:running"

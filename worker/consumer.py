@@ -232,23 +232,43 @@ class Consumer(Outages, Publishing, BaseWorker):
                 self.hand_back(a)
 
     def admit(self, block: bool) -> None:
-        """Take shards while the engine has room; wait up to 1 s for one when idle."""
+        """Take shards while the engine has room; wait up to 1 s for one when idle. A shard
+        is taken off its queue and recorded as being taken in one script (shards.take): a
+        worker that dies before its claim leaves it to the reapers, who queue it again."""
         while self.engine.has_room():
-            try:
-                got = Queue.dequeue_any(self.queues, 1 if block else None, connection=self.connection,
-                                        job_class=self.job_class, serializer=self.serializer)
-            except DequeueTimeout:
-                return
-            except REDIS_DOWN as e:
-                if not (hasattr(e, "job_id") and len(self.queues) > 1):
-                    raise
-                # Popped, then the connection broke before the job was read: put it back.
-                self.retrying(self._unpop, e.queue, e.job_id)
-                return
+            got = shards.take(self.connection, self.queues, time.time())
+            if got is None and block:
+                got = self._wait_for_shard()
             if got is None:
                 return
             block = False
-            self.start(*got)
+            queue, sid = got
+            try:
+                job = Job.fetch(sid, connection=self.connection, serializer=self.serializer)
+            except NoSuchJobError:  # its job ended and took it along
+                self.connection.hdel(keys.taking(), sid)
+                continue
+            self.start(job, queue)
+
+    def _wait_for_shard(self) -> tuple[Queue, str] | None:
+        """Idle: block up to 1 s for a shard on any queue (rq's BLPOP; the one pop that is
+        recorded as taken only after it, a moment later)."""
+        try:
+            got = Queue.dequeue_any(self.queues, 1, connection=self.connection,
+                                    job_class=self.job_class, serializer=self.serializer)
+        except DequeueTimeout:
+            return None
+        except REDIS_DOWN as e:
+            if not (hasattr(e, "job_id") and len(self.queues) > 1):
+                raise
+            # Popped, then the connection broke before the job was read: put it back.
+            self.retrying(self._unpop, e.queue, e.job_id)
+            return None
+        if got is None:
+            return None
+        job, queue = got
+        self.connection.hset(keys.taking(), job.id, f"{time.time()} {queue.key}")
+        return queue, job.id
 
     def admit_new_job(self, heads: list[list[bytes]]) -> None:
         """A full engine: take the first shard in `heads` (the queues' first ids) of a job
@@ -259,16 +279,14 @@ class Consumer(Outages, Publishing, BaseWorker):
             if not ids:
                 continue
             for sid in map(as_text, ids):
-                # LREM is the dequeue: whoever removes the id holds it (as with rq's LPOP).
-                if shards.job_of(sid) not in mine and self.connection.lrem(queue.key, 1, sid):
+                # Whoever takes the id out of the queue holds it (recorded as being taken).
+                if shards.job_of(sid) not in mine and shards.take_id(self.connection, queue, sid, time.time()):
                     try:
                         job = Job.fetch(sid, connection=self.connection, serializer=self.serializer)
                     except NoSuchJobError:
+                        self.connection.hdel(keys.taking(), sid)
                         return
-                    except REDIS_DOWN:  # taken, not read: put it back
-                        self.retrying(self._unpop, queue, sid)
-                        return
-                    self.start(job, queue)
+                    self.start(job, queue)  # (a lost reply: the reapers queue it again)
                     return
             return
 
@@ -340,6 +358,9 @@ class Consumer(Outages, Publishing, BaseWorker):
                                                   self.settings.result_ttl, self.wait_for_redis):
             JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", owner, outcome)
             self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
+        for sid in shards.put_back_stale(self.connection, time.time() - self.heartbeat_ttl):
+            JobLog(log, shards.job_of(sid)).warning("shard %s was taken off its queue by a worker that "
+                                                    "did not claim it; queued again", sid)
 
     # -- one shard's lifecycle (its transitions in Redis: worker/shards.py) ---------------
 

@@ -65,6 +65,63 @@ return n
 """
 
 
+# Taking a shard off its queue records it in keys.taking in the same script; the claim's
+# transaction removes the record. KEYS: the queues (in priority order), keys.taking. ARGV:
+# now. Returns {queue key, shard id} or false.
+_TAKE = """
+for i = 1, #KEYS - 1 do
+  local id = redis.call('LPOP', KEYS[i])
+  if id then
+    redis.call('HSET', KEYS[#KEYS], id, ARGV[1] .. ' ' .. KEYS[i])
+    return {KEYS[i], id}
+  end
+end
+return false
+"""
+# The same for one id anywhere in one queue. KEYS: queue, keys.taking. ARGV: id, now.
+_TAKE_ID = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ' ' .. KEYS[1])
+return 1
+"""
+# A record older than its worker could have taken to claim: queue the shard again (at the
+# front) if it is still unclaimed. KEYS: keys.taking, the shard's rq job key. ARGV: id, record.
+_PUT_BACK = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('HGET', KEYS[2], 'status') ~= 'queued' then return 0 end
+local queue = string.sub(ARGV[2], string.find(ARGV[2], ' ') + 1)
+redis.call('LPUSH', queue, ARGV[1])
+return 1
+"""
+
+
+def take(redis, queues: list[Queue], now: float) -> tuple[Queue, str] | None:
+    """The first queued shard id of these queues (in order), recorded as being taken."""
+    got = redis.eval(_TAKE, len(queues) + 1, *[q.key for q in queues], keys.taking(), now)
+    if not got:
+        return None
+    key, sid = as_text(got[0]), as_text(got[1])
+    return next(q for q in queues if q.key == key), sid
+
+
+def take_id(redis, queue: Queue, sid: str, now: float) -> bool:
+    """Take that shard id out of its queue (anywhere in it), recorded as being taken."""
+    return bool(redis.eval(_TAKE_ID, 2, queue.key, keys.taking(), sid, now))
+
+
+def put_back_stale(redis, older_than: float) -> list[str]:
+    """Queue again the shards taken before `older_than` and never claimed (their worker
+    died in between). Returns their ids."""
+    back = []
+    for sid, record in redis.hgetall(keys.taking()).items():
+        sid, record = as_text(sid), as_text(record)
+        if float(record.partition(" ")[0]) < older_than and redis.eval(
+                _PUT_BACK, 2, keys.taking(), Job.key_for(sid), sid, record):
+            back.append(sid)
+    return back
+
+
 def shard_id(job_id: str, k: int) -> str:
     return f"{job_id}-{k}"
 
@@ -143,9 +200,11 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
     (the shard is dropped then). `on_outage(error)` waits for Redis; a transaction whose
     reply was lost is looked up, not sent again."""
     job_id, k = job.kwargs["job"], int(job.kwargs["shard"])
+    redis_taken = keys.taking()
     info = _info(redis, job_id)
     if info is None or "bounds" not in info:
         _forget(redis, job)
+        redis.hdel(redis_taken, job.id)
         return None
     bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
     lo, hi = bounds[k], bounds[k + 1]
@@ -157,10 +216,13 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
             with redis.pipeline() as pipe:
                 pipe.watch(job.key, counters, run, keys.cancel(job_id), keys.closed(job_id))
                 if as_text(pipe.hget(job.key, "status") or b"") != JobStatus.QUEUED:
+                    pipe.reset()
+                    redis.hdel(redis_taken, job.id)
                     return None
                 if pipe.exists(keys.cancel(job_id), keys.closed(job_id)):
                     pipe.multi()
                     pipe.delete(job.key)
+                    pipe.hdel(redis_taken, job.id)
                     pipe.execute()
                     return None
                 c = _counters(pipe.hgetall(counters))
@@ -171,6 +233,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 on_pipe(pipe)
                 job.prepare_for_execution(worker, pipeline=pipe)
                 pipe.persist(job.key)
+                pipe.hdel(redis_taken, job.id)
                 pipe.hset(run, k, json.dumps({"worker": worker, "execution": execution.composite_key,
                                               "stored": len(stored)}))
                 pipe.hincrby(counters, f"claims:{k}", 1)

@@ -158,6 +158,37 @@ def test_kill_9_of_one_worker_mid_job_every_sample_exactly_once(fleet, engine):
     print(f"kill -9 mid-job: succeeded {took:.1f}s after the kill (TTL {TTL}s)")
 
 
+def test_a_shard_taken_by_a_worker_that_dies_before_its_claim_is_queued_again(fleet):
+    """A worker can die between taking a shard off the queue and claiming it. The take is
+    recorded with it (keys.taking), so a reaper queues it again after the heartbeat TTL and
+    the job completes, each sample once. Here the dying worker is this test: it takes a
+    shard while both workers are stopped, and never claims it."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import shards
+    from worker.spec import QUEUE_ORDER
+
+    r = fleet["redis"]
+    for w in fleet["workers"]:
+        w.proc.proc.send_signal(signal.SIGSTOP)
+    try:
+        # 6 shards, 4 queued: a stopped worker's BLPOP, already waiting in Redis, still pops one.
+        job_id = submit(r, PROMPTS[:48], {"max_new_tokens": 4, "ignore_eos": True})
+        queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+        _, taken = shards.take(r, queues, time.time())
+        assert taken.startswith(job_id) and r.hexists(keys.taking(), taken)
+    finally:
+        for w in fleet["workers"]:
+            w.proc.proc.send_signal(signal.SIGCONT)
+    t = time.monotonic()
+    with Client(fleet["api"]) as client:
+        wait_for(lambda: client.status(job_id)["status"] == "succeeded", 60 + 5 * TTL, "the job", interval=0.2)
+    assert time.monotonic() - t >= TTL - 1  # it waited for the reapers: nobody else had the shard
+    check_once(entries(r, job_id), 48)
+    assert not r.hexists(keys.taking(), taken)
+
+
 def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
     r = fleet["redis"]
     params = MIXED
