@@ -246,7 +246,7 @@ class Consumer(Outages, Publishing, BaseWorker):
             try:
                 job = Job.fetch(sid, connection=self.connection, serializer=self.serializer)
             except NoSuchJobError:  # its job ended and took it along
-                self.connection.hdel(keys.taking(), sid)
+                shards.untake(self.connection, sid)
                 continue
             self.start(job, queue)
 
@@ -267,13 +267,13 @@ class Consumer(Outages, Publishing, BaseWorker):
         if got is None:
             return None
         job, queue = got
-        self.connection.hset(keys.taking(), job.id, f"{time.time()} {queue.key}")
+        shards.mark_taken(self.connection, queue, job.id, time.time())
         return queue, job.id
 
     def admit_new_job(self, heads: list[list[bytes]]) -> None:
         """A full engine: take the first shard in `heads` (the queues' first ids) of a job
-        with nothing here, from the first queue (by priority) holding shards: a lower queue is looked at only when the higher ones are
-        empty, so high still passes normal."""
+        with nothing here, from the first queue (by priority) holding shards: a lower queue
+        is looked at only when the higher ones are empty, so high still passes normal."""
         mine = {a.job_id for a in self.active.values()}
         for queue, ids in zip(self.queues, heads):
             if not ids:
@@ -284,7 +284,7 @@ class Consumer(Outages, Publishing, BaseWorker):
                     try:
                         job = Job.fetch(sid, connection=self.connection, serializer=self.serializer)
                     except NoSuchJobError:
-                        self.connection.hdel(keys.taking(), sid)
+                        shards.untake(self.connection, sid)
                         return
                     self.start(job, queue)  # (a lost reply: the reapers queue it again)
                     return

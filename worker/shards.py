@@ -110,6 +110,17 @@ def take_id(redis, queue: Queue, sid: str, now: float) -> bool:
     return bool(redis.eval(_TAKE_ID, 2, queue.key, keys.taking(), sid, now))
 
 
+def mark_taken(redis, queue: Queue, sid: str, now: float) -> None:
+    """Record a shard popped by other means (rq's blocking pop) as being taken: the record
+    the scripts above write."""
+    redis.hset(keys.taking(), sid, f"{now} {queue.key}")
+
+
+def untake(redis, sid: str) -> None:
+    """Drop a take record whose shard will not be claimed (its rq job is gone)."""
+    redis.hdel(keys.taking(), sid)
+
+
 def put_back_stale(redis, older_than: float) -> list[str]:
     """Queue again the shards taken before `older_than` and never claimed (their worker
     died in between). Returns their ids."""
@@ -200,11 +211,11 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
     (the shard is dropped then). `on_outage(error)` waits for Redis; a transaction whose
     reply was lost is looked up, not sent again."""
     job_id, k = job.kwargs["job"], int(job.kwargs["shard"])
-    redis_taken = keys.taking()
+    taken = keys.taking()
     info = _info(redis, job_id)
     if info is None or "bounds" not in info:
         _forget(redis, job)
-        redis.hdel(redis_taken, job.id)
+        untake(redis, job.id)
         return None
     bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
     lo, hi = bounds[k], bounds[k + 1]
@@ -217,12 +228,12 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 pipe.watch(job.key, counters, run, keys.cancel(job_id), keys.closed(job_id))
                 if as_text(pipe.hget(job.key, "status") or b"") != JobStatus.QUEUED:
                     pipe.reset()
-                    redis.hdel(redis_taken, job.id)
+                    untake(redis, job.id)
                     return None
                 if pipe.exists(keys.cancel(job_id), keys.closed(job_id)):
                     pipe.multi()
                     pipe.delete(job.key)
-                    pipe.hdel(redis_taken, job.id)
+                    pipe.hdel(taken, job.id)
                     pipe.execute()
                     return None
                 c = _counters(pipe.hgetall(counters))
@@ -233,7 +244,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 on_pipe(pipe)
                 job.prepare_for_execution(worker, pipeline=pipe)
                 pipe.persist(job.key)
-                pipe.hdel(redis_taken, job.id)
+                pipe.hdel(taken, job.id)
                 pipe.hset(run, k, json.dumps({"worker": worker, "execution": execution.composite_key,
                                               "stored": len(stored)}))
                 pipe.hincrby(counters, f"claims:{k}", 1)
