@@ -49,6 +49,69 @@ def test_teacher_forced_logits(tiny_models, arch, page_size):
     eng.check()
 
 
+PROMPT_LP_TOL = 1e-4  # the issue's bound on prompt logprobs against transformers
+
+
+def hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """Of ids[1:] given what comes before each: transformers' log_softmax, teacher-forced."""
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], lsm[:-1]
+
+
+def test_prompt_logprobs_match_transformers_through_chunks_the_cache_samples_and_retraction(tiny_models):
+    """Prompt logprobs equal transformers' (1e-4) for chunked prompts; a prompt whose prefix
+    is in the radix cache still gets all of them (it recomputes the prefix: say so by the
+    counters); n > 1 scores the prompt once; a pool small enough to retract changes nothing."""
+    path = tiny_models["llama"]
+    hf = hf_model(path)
+    vocab = hf.config.vocab_size
+    shared = prompts_ids(1, 70, 71, vocab, seed=5)[0]
+    batch = [shared + [5, 6, 7], shared + [9, 10, 11, 12]] + prompts_ids(3, 2, 130, vocab, seed=6)
+    eng = Engine(path, page_size=4, max_prefill_tokens=48)
+    eng.generate(input_ids=[shared + [1, 2]], sampling_params=SamplingParams(max_new_tokens=1))  # cache it
+    sp = SamplingParams(max_new_tokens=3, temperature=0, prompt_logprobs=3, n=2)
+    before = eng.stats().prefill_tokens
+    out = eng.generate(input_ids=batch, sampling_params=sp)
+    # Every prompt went through the forward in full (its warm-up), however much of it the
+    # cache held; its samples then find it cached but for the last, unaligned page.
+    ran = eng.stats().prefill_tokens - before
+    assert sum(map(len, batch)) <= ran <= sum(map(len, batch)) + 2 * len(batch) * 4
+    for ids, item in zip(batch, out):
+        ref, lsm = hf_prompt_logprobs(hf, ids)
+        for s in item.samples:
+            got = s.prompt_logprobs
+            assert got[0] is None and len(got) == len(ids)
+            assert [r["token_id"] for r in got[1:]] == ids[1:]
+            values = torch.tensor([r["logprob"] for r in got[1:]])
+            assert (values - ref).abs().max().item() < PROMPT_LP_TOL
+            tops = torch.tensor([[t["logprob"] for t in r["top_logprobs"]] for r in got[1:]])
+            assert (tops - lsm.topk(3, dim=-1).values).abs().max().item() < PROMPT_LP_TOL
+        assert item.samples[0].prompt_logprobs == item.samples[1].prompt_logprobs
+    # Scoring only (max_new_tokens 0), n = 1, in a pool so small requests retract.
+    small = Engine(path, page_size=1, kv_tokens=200, max_prefill_tokens=32)
+    scored = small.generate(input_ids=batch, sampling_params=SamplingParams(max_new_tokens=0, prompt_logprobs=0))
+    for ids, item in zip(batch, scored):
+        s = item.samples[0]
+        assert s.token_ids == [] and s.finish_reason == "length"
+        ref, _ = hf_prompt_logprobs(hf, ids)
+        assert (torch.tensor([r["logprob"] for r in s.prompt_logprobs[1:]]) - ref).abs().max().item() < PROMPT_LP_TOL
+        assert all(r["top_logprobs"] == [] for r in s.prompt_logprobs[1:])
+    mixed = small.generate(input_ids=batch, sampling_params=[
+        SamplingParams(max_new_tokens=40, ignore_eos=True, prompt_logprobs=1 if i % 2 else None)
+        for i in range(len(batch))])
+    assert small.scheduler.num_retractions > 0
+    for i, (ids, item) in enumerate(zip(batch, mixed)):
+        got = item.samples[0].prompt_logprobs
+        if i % 2 == 0:
+            assert got is None
+            continue
+        ref, _ = hf_prompt_logprobs(hf, ids)
+        assert (torch.tensor([r["logprob"] for r in got[1:]]) - ref).abs().max().item() < PROMPT_LP_TOL
+    small.check()
+    eng.check()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_matches_transformers(tiny_models, arch):
     path = tiny_models[arch]

@@ -139,7 +139,7 @@ class ScheduleBatch:
             prefix.append(r.kv_len)
             seq.append(r.kv_len + n)
             starts.append(t)
-            if r.return_prompt_logits:
+            if r.all_logits:
                 logit_rows.extend(range(t, t + n))
             elif self.needs_logits(i):
                 logit_rows.append(t + n - 1)

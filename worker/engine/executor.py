@@ -16,7 +16,7 @@ from .batch import ScheduleBatch
 from .kv_manager import KVManager
 from .model_runner import ModelRunner
 from .req import Req
-from .sampler import SampleOutput, Sampler
+from .sampler import SampleOutput, Sampler, TokenLogprob
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("fanout.engine")
@@ -32,6 +32,7 @@ class BatchOutput:
     """One forward + sample of a batch, not yet applied to its requests."""
     batch: ScheduleBatch
     prompt_logits: list[torch.Tensor | None]  # per request: its rows, when it asked
+    prompt_logprobs: list[list[TokenLogprob]]  # per request: of the prompt tokens this chunk scored
     sampled: list[Req]  # the requests that got a token, in samples' row order
     samples: SampleOutput | None  # None when nothing was sampled
 
@@ -64,12 +65,13 @@ class Executor:
                                     group_shared=self.runner.attn.uses_shared_prefixes)
         logits = self.runner.forward(fb)
         prompt: list[torch.Tensor | None] = []
+        prompt_lps: list[list[TokenLogprob]] = []
         sample_reqs, sample_rows, row = [], [], 0
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             complete = batch.needs_logits(i)
-            prompt.append(None)
-            if r.return_prompt_logits:
-                prompt[-1] = logits[row:row + n].float().cpu()
+            prompt.append(logits[row:row + n].float().cpu() if r.return_prompt_logits else None)
+            prompt_lps.append(self._prompt_logprobs(r, logits[row:row + n]) if r.prompt_logprobs_todo else [])
+            if r.all_logits:
                 row += n
                 last = row - 1
             elif complete:
@@ -80,7 +82,18 @@ class Executor:
                 sample_reqs.append(r)
                 sample_rows.append(last)
         out = self.sampler(logits[sample_rows].float(), sample_reqs) if sample_reqs else None
-        return BatchOutput(batch, prompt, sample_reqs, out)
+        return BatchOutput(batch, prompt, prompt_lps, sample_reqs, out)
+
+    def _prompt_logprobs(self, r: Req, rows: torch.Tensor) -> list[TokenLogprob]:
+        """The prompt logprobs this chunk's logits give r: position p's row scores prompt
+        token p + 1, for the positions past those r has (a chunk recomputed after a
+        retraction) and before the prompt's last (whose row samples the first token)."""
+        have, end = len(r.prompt_logprobs), len(r.input_ids) - 1
+        lo, hi = max(r.kv_len, have), min(r.kv_len + rows.shape[0], end)
+        if hi <= lo:
+            return []
+        return self.sampler.prompt_logprobs(rows[lo - r.kv_len:hi - r.kv_len], r.input_ids[lo + 1:hi + 1],
+                                            r.params.prompt_logprobs)
 
     def _isolate(self, batch: ScheduleBatch, exc: Exception) -> RunOutput:
         """Bisect a failed batch (see the module doc). If every request fails alone and a

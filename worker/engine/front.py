@@ -27,6 +27,7 @@ from .encoder import Encoder
 from .intake import Call, ImageIntake, Pending, TextIntake
 from .req import Req
 from .sampling_params import SamplingParams, per_item
+from .sampler import TokenLogprob
 from .scheduler import Scheduler, StepResult, step_error
 
 Sink = Callable[[Event], None]
@@ -161,7 +162,8 @@ class Front:
                 key = tuple(ids)
                 if key not in by_prompt:
                     warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
-                               params=SamplingParams(max_new_tokens=0), seed=0, tag=call.tag,
+                               params=SamplingParams(max_new_tokens=0, prompt_logprobs=p.prompt_logprobs),
+                               seed=0, tag=call.tag,
                                owner=call.owner, images=spans)
                     by_prompt[key] = _Warmup(warm, [], sink)
                 by_prompt[key].samples.extend(reqs)
@@ -181,6 +183,8 @@ class Front:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size and t not in pads), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
+        if images and p.prompt_logprobs is not None:
+            return "prompt_logprobs: not for a prompt with images (its image positions are not tokens)"
         if len(ids) >= self.max_context:
             expanded = f" ({len(images)} images expanded)" if images else ""
             return (f"prompt has {len(ids)} tokens{expanded}; the model's context is "
@@ -237,6 +241,7 @@ class Front:
                         self.scheduler.finish(r, "error", req.error)
                         self._emit(self._final(self.streams.pop(r.rid), ""), w.sink)
                     else:
+                        r.prompt_logprobs = req.prompt_logprobs  # scored once, for all n
                         self.scheduler.add(r)
             elif req.rid in self.streams:  # finished without a token this step
                 s = self.streams.pop(req.rid)
@@ -277,11 +282,20 @@ class Front:
         if s.logprobs is None:
             return None
         r, start = s.req, len(s.logprobs)
-        new = [{"token_id": t, "token": self._piece(t), "logprob": lp.logprob,
-                "top_logprobs": [{"token_id": i, "token": self._piece(i), "logprob": v} for i, v in lp.top]}
-               for t, lp in zip(r.output_ids[start:], r.output_logprobs[start:])]
+        new = [self._record(t, lp) for t, lp in zip(r.output_ids[start:], r.output_logprobs[start:])]
         s.logprobs += new
         return new
+
+    def _prompt_logprobs(self, r: Req) -> list[dict | None] | None:
+        """Records of the prompt's tokens, None first (nothing comes before it); None when
+        not asked or not all computed (a request that ended before its prefill did)."""
+        if r.params.prompt_logprobs is None or r.prompt_logprobs_todo:
+            return None
+        return [None] + [self._record(t, lp) for t, lp in zip(r.input_ids[1:], r.prompt_logprobs)]
+
+    def _record(self, token_id: int, lp: TokenLogprob) -> dict:
+        return {"token_id": token_id, "token": self._piece(token_id), "logprob": lp.logprob,
+                "top_logprobs": [{"token_id": i, "token": self._piece(i), "logprob": v} for i, v in lp.top]}
 
     def _piece(self, token_id: int) -> str:
         """The token's text decoded alone (as OpenAI shows it), once per id."""
@@ -295,7 +309,7 @@ class Front:
         usage = Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))
         return Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
                      r.finish_reason, r.error, s.detok.text, list(r.output_ids), s.logprobs, usage,
-                     r.matched_stop)
+                     r.matched_stop, self._prompt_logprobs(r))
 
     def _emit(self, ev: Event, sink: Sink | None) -> None:
         (sink or self.outbox.append)(ev)

@@ -59,7 +59,7 @@ class KVManager:
         if row is None:
             return False
         req.req_pool_idx = row
-        slots, node = self.cache.match_prefix(req.fill_ids[:-1])
+        slots, node = self.cache.match_prefix(req.tokens(0, req.max_prefix))
         n = 0 if slots is None else len(slots)
         if n:
             self.table[row, :n] = slots

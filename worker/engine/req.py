@@ -58,6 +58,9 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     num_retractions: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, vocab] when asked
+    # With params.prompt_logprobs: of input_ids[1:], in order, as the prefill computes them.
+    # Samples of one prompt share its warm-up's list.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -102,6 +105,24 @@ class Req:
         for row in rows:
             row.extend(range(at + shift, end + shift))
         return rows
+
+    @property
+    def prompt_logprobs_todo(self) -> bool:
+        """Asked for prompt logprobs and some are not computed yet."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.input_ids) - 1)
+
+    @property
+    def all_logits(self) -> bool:
+        """The forward keeps the logits of every position this request runs, not only the
+        last: for its prompt logits or prompt logprobs."""
+        return self.return_prompt_logits or self.prompt_logprobs_todo
+
+    @property
+    def max_prefix(self) -> int:
+        """Tokens it may borrow from the prefix cache: not the positions whose logits it
+        still needs (the logprob of prompt token i comes from position i - 1's logits)."""
+        return len(self.prompt_logprobs) if self.prompt_logprobs_todo else self.seq_len - 1
 
     @property
     def seq_len(self) -> int:

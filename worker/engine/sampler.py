@@ -16,6 +16,7 @@ from .req import Req
 
 _M32 = 0xFFFFFFFF
 _HASH_BLOCK = 1 << 18  # int64 values per block of seeded_uniform on a CPU (2 MiB)
+PROMPT_BLOCK = 256  # rows per log_softmax of prompt logprobs (50 MB at a 49k vocabulary)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -93,6 +94,25 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the params.top_logprobs most likely (token id, logprob), best first
 
 
+def records(lsm: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """Row i's token tokens[i] and its ks[i] most likely, from log_softmax rows lsm; one topk
+    over the rows that want top tokens."""
+    chosen = lsm.gather(1, tokens[:, None])[:, 0].tolist()
+    want = [j for j, k in enumerate(ks) if k]
+    tops = iter(())
+    if want:
+        values, ids = _take(lsm, want).topk(max(ks), dim=-1)
+        tops = zip(ids.tolist(), values.tolist())
+    out = []
+    for k, lp in zip(ks, chosen):
+        top = []
+        if k:
+            top_ids, top_values = next(tops)
+            top = list(zip(top_ids[:k], top_values[:k]))
+        out.append(TokenLogprob(lp, top))
+    return out
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
@@ -129,22 +149,21 @@ class Sampler:
 
     def _logprobs(self, lsm: torch.Tensor, tokens: torch.Tensor, reqs: list[Req],
                   rows: list[int]) -> list[TokenLogprob | None]:
-        """From the log_softmax of the rows that ask only (lsm), and one topk over those that
-        want top tokens; the other rows pay nothing."""
-        chosen = lsm.gather(1, _take(tokens, rows)[:, None])[:, 0].tolist()
-        ks = [reqs[i].params.top_logprobs for i in rows]
-        want = [j for j, k in enumerate(ks) if k]
-        tops = iter(())
-        if want:
-            values, ids = _take(lsm, want).topk(max(ks), dim=-1)
-            tops = zip(ids.tolist(), values.tolist())
+        """From the log_softmax of the rows that ask only (lsm); the other rows pay nothing."""
         out: list[TokenLogprob | None] = [None] * len(reqs)
-        for i, k, lp in zip(rows, ks, chosen):
-            top = []
-            if k:
-                top_ids, top_values = next(tops)
-                top = list(zip(top_ids[:k], top_values[:k]))
-            out[i] = TokenLogprob(lp, top)
+        for i, lp in zip(rows, records(lsm, _take(tokens, rows), [reqs[i].params.top_logprobs for i in rows])):
+            out[i] = lp
+        return out
+
+    def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """Of each target token under its row of logits ([len(targets), V]): the teacher-forced
+        logprobs of prompt tokens. In blocks of rows, so a long prompt chunk does not hold
+        its whole [n, V] log_softmax at once."""
+        out: list[TokenLogprob] = []
+        for s in range(0, len(targets), PROMPT_BLOCK):
+            rows = logits[s:s + PROMPT_BLOCK, : self.vocab_size].float()
+            tokens = torch.tensor(targets[s:s + PROMPT_BLOCK], dtype=torch.int64, device=rows.device)
+            out += records(torch.log_softmax(rows, dim=-1), tokens, [k] * rows.shape[0])
         return out
 
     @staticmethod

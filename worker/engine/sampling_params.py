@@ -52,6 +52,10 @@ class SamplingParams(BaseModel):
     logprobs: bool = Field(False, description="return the log-probability of each sampled token")
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
                               description="also the k most likely tokens at each position (needs logprobs)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "the log-probability of each prompt token given the ones before it (the first has none), "
+        "with the k most likely tokens at each position; 0: the token's alone. With "
+        "max_new_tokens 0, a scoring item: nothing is generated"))
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
     # Constrained decoding (at most one of these): each token is drawn from what the grammar
     # allows, then EOS once it is complete, whatever ignore_eos says.

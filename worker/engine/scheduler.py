@@ -202,7 +202,7 @@ class Scheduler:
             if new:
                 if len(self.running) >= self.cfg.max_running or not kvm.admit(r):
                     break
-                if self._shares_prefix(r, prefilling):
+                if not r.prompt_logprobs_todo and self._shares_prefix(r, prefilling):
                     kvm.release(r)  # wait one step and take the prefix from the cache
                     continue
             n = min(r.extend_todo, budget)
@@ -262,6 +262,8 @@ class Scheduler:
                 self.prefill_tokens_total += n
             if out.prompt_logits[i] is not None:
                 r.prompt_logits.append(out.prompt_logits[i])
+            if out.prompt_logprobs[i]:
+                r.prompt_logprobs.extend(out.prompt_logprobs[i])
             complete = batch.needs_logits(i)  # before kv_len moves on
             r.kv_len += n
             if n > 1:
