@@ -136,6 +136,15 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely tokens, best first")
 
 
+class PromptTokenLogprob(BaseModel):
+    """One prompt token, scored given the tokens before it (teacher forcing)."""
+    token_id: int
+    token: str = Field(description="the token decoded alone")
+    logprob: float | None = Field(description="null for the prompt's first token (nothing comes before it)")
+    top_logprobs: list[TopLogprob] | None = Field(description="the `prompt_logprobs` most likely tokens "
+                                                               "at its position, best first; null for the first")
+
+
 class SampleOut(BaseModel):
     sample: int
     text: str
@@ -145,6 +154,8 @@ class SampleOut(BaseModel):
     error: str | None
     logprobs: list[TokenLogprob] | None = Field(
         None, description="one per token of token_ids; null unless the sample asked (`logprobs: true`)")
+    prompt_logprobs: list[PromptTokenLogprob] | None = Field(
+        None, description="one per prompt token; null unless the item asked (`prompt_logprobs: k`)")
 
 
 class ItemOut(BaseModel):

@@ -61,7 +61,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _tokenizer(redis, model: str):
+def tokenizer(redis, model: str):
     """The model's tokenizer and its lock (a tokenizer is not used by two threads at once)."""
     models.require(redis, model)
     digest = redis.hget(keys.tokenizer(model), "digest")
@@ -85,7 +85,7 @@ def _tokenizer(redis, model: str):
 
 
 def _tokenize(redis, req: TokenizeRequest) -> dict:
-    tok, lock = _tokenizer(redis, req.model)
+    tok, lock = tokenizer(redis, req.model)
     with lock:
         if req.prompt is not None:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"]
@@ -104,7 +104,7 @@ def _tokenize(redis, req: TokenizeRequest) -> dict:
 
 
 def _detokenize(redis, req: DetokenizeRequest) -> dict:
-    tok, lock = _tokenizer(redis, req.model)
+    tok, lock = tokenizer(redis, req.model)
     size = len(tok)
     for i, t in enumerate(req.tokens):
         if t >= size:

@@ -7,9 +7,12 @@ stays readable.
                                                       new text / token ids of one sample
                                                       (logprobs: the records of delta_ids)
     type=final    index sample delta delta_ids text token_ids finish_reason usage [logprobs]
-                                                      the sample finished; `delta*` is the
+                  [prompt_logprobs]                   the sample finished; `delta*` is the
                                                       last piece, `text`/`token_ids` the whole,
-                                                      `logprobs` the whole sample's records
+                                                      `logprobs` the whole sample's records,
+                                                      `prompt_logprobs` its prompt's (asked with
+                                                      `prompt_logprobs: k`: one per prompt
+                                                      token, the first's logprob null)
     type=error    index sample error                  the sample failed (e.g. prompt too long)
     type=status   status [done total failed error]    the job's status changed
 
@@ -35,7 +38,7 @@ ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "st
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 
 _INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed", "shard", "lo", "hi"})
-_JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs"})
+_JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs", "prompt_logprobs"})
 
 
 def worker_ref(name: str) -> str:
@@ -64,14 +67,17 @@ def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record
                       "delta_ids": json.dumps(ids_delta), "text": record["text"],
                       "token_ids": json.dumps(record["token_ids"]),
                       "finish_reason": record["finish_reason"], "usage": json.dumps(record["usage"])},
-                     record["logprobs"], custom_id)
+                     record["logprobs"], custom_id, record.get("prompt_logprobs"))
 
 
-def _optional(fields: dict[str, str], logprobs: list[dict] | None, custom_id: str | None) -> dict[str, str]:
+def _optional(fields: dict[str, str], logprobs: list[dict] | None, custom_id: str | None,
+              prompt_logprobs: list[dict] | None = None) -> dict[str, str]:
     """Only samples that asked carry logprobs, only items that have one their custom_id: the
     other entries stay small."""
     if logprobs is not None:
         fields["logprobs"] = json.dumps(logprobs)
+    if prompt_logprobs is not None:
+        fields["prompt_logprobs"] = json.dumps(prompt_logprobs)
     if custom_id is not None:
         fields["custom_id"] = custom_id
     return fields

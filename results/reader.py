@@ -36,6 +36,7 @@ class Rebuilt:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict] | None = None  # when the sample asked
+    prompt_logprobs: list[dict] | None = None  # when the sample asked, from its final
 
 
 class Rebuilder:
@@ -65,5 +66,6 @@ class Rebuilder:
             if kind == events.FINAL:
                 out.finish_reason = entry["finish_reason"]
                 out.logprobs = entry.get("logprobs")  # the whole sample's
+                out.prompt_logprobs = entry.get("prompt_logprobs")
             elif "logprobs" in entry:
                 out.logprobs = (out.logprobs or []) + entry["logprobs"]

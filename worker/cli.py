@@ -221,7 +221,7 @@ def cmd_submit(args) -> None:
                 if args.stream:
                     # The sample as /results has it (logprobs only when asked).
                     keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
-                            "logprobs")
+                            "logprobs", "prompt_logprobs")
                     tqdm.write(json.dumps({k: entry[k] for k in keys if k in entry}, ensure_ascii=False),
                                file=sys.stdout)
             elif entry["type"] == "status":
@@ -286,6 +286,7 @@ def cmd_generate(args) -> None:
     from tqdm import tqdm
 
     from worker.engine import Engine
+    from worker.publish import sample_record
 
     spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
     engine = Engine(args.model, engine_config(args))
@@ -299,12 +300,7 @@ def cmd_generate(args) -> None:
     for ev in engine.generate(**{kind: items}, sampling_params=params, seed=spec.seed, stream=True):
         tokens += len(ev.token_ids_delta)
         if ev.finished:
-            samples[ev.index][ev.sample] = {
-                "text": ev.text, "token_ids": ev.token_ids, "finish_reason": ev.finish_reason,
-                "error": ev.error, "usage": {"prompt_tokens": ev.usage.prompt_tokens,
-                                             "cached_tokens": ev.usage.cached_tokens,
-                                             "completion_tokens": ev.usage.completion_tokens},
-                "logprobs": ev.logprobs}
+            samples[ev.index][ev.sample] = sample_record(ev)
             left[ev.index] -= 1
             if left[ev.index] == 0:
                 bar.update(1)

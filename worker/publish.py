@@ -51,6 +51,16 @@ class Active:
         return self.custom_ids[index - self.claim.lo] if self.custom_ids else None
 
 
+def sample_record(ev) -> dict:
+    """The stored record (results.store.sample_record) of a finished sample's final event."""
+    usage = None
+    if ev.usage is not None:
+        usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
+                 "completion_tokens": ev.usage.completion_tokens}
+    return store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
+                               ev.logprobs, ev.prompt_logprobs)
+
+
 class Publishing:
     def record(self, batch: Batch, a: Active, index: int, sample: int, rec: dict,
                text_delta: str = "", ids_delta: list[int] | None = None) -> None:
@@ -98,13 +108,7 @@ class Publishing:
                 elif text or ids:
                     a.pending[key] = (text, ids, lps)
                 continue
-            usage = None
-            if ev.usage is not None:
-                usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
-                         "completion_tokens": ev.usage.completion_tokens}
-            rec = store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
-                                      ev.logprobs)
-            self.record(batch, a, ev.index, ev.sample, rec, text, ids)
+            self.record(batch, a, ev.index, ev.sample, sample_record(ev), text, ids)
         t = time.monotonic()
         if t >= self._next_flush:
             self._next_flush = t + self.delta_interval

@@ -116,6 +116,9 @@ def _params(body, settings: Settings) -> SamplingParams:
     """The line's sampling parameters; OpenAIError for what a line may not ask here."""
     if body.stream:
         raise OpenAIError(400, "stream: not in a batch (its lines stream on the job's events)", "stream")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise OpenAIError(400, "echo: not in a batch line; ask prompt_logprobs for the prompt's logprobs "
+                               "(each output body's choices carry them)", "echo")
     if isinstance(body, CompletionRequest) and not (isinstance(body.prompt, str) or isinstance(body.prompt[0], int)):
         raise OpenAIError(400, "prompt: one prompt per line (a text or a list of token ids)", "prompt")
     return sampling_params(body, settings)

@@ -35,7 +35,8 @@ def chat_logprobs(records: list[dict] | None) -> dict | None:
 
 def legacy_logprobs(records: list[dict] | None, offset: int = 0) -> dict | None:
     """Our per-token records -> the completions API's parallel lists; `text_offset` counts
-    characters of the choice's text from `offset` (what came before, when streamed)."""
+    characters of the choice's text from `offset` (what came before, when streamed). A
+    prompt's first record (echo) has logprob and top_logprobs null, as OpenAI's."""
     if records is None:
         return None
     offsets = []
@@ -43,21 +44,39 @@ def legacy_logprobs(records: list[dict] | None, offset: int = 0) -> dict | None:
         offsets.append(offset)
         offset += len(r["token"])
     return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in r["top_logprobs"]} for r in records],
+            "top_logprobs": [None if r["top_logprobs"] is None else {t["token"]: t["logprob"] for t in r["top_logprobs"]}
+                             for r in records],
             "text_offset": offsets}
+
+
+def _echoed(prompt: str, r: dict) -> tuple[str, dict | None]:
+    """The choice's text and logprobs with its prompt first (echo): the prompt's records
+    (when logprobs were asked), then the output's, whose offsets start past the prompt."""
+    if r["logprobs"] is None:
+        return prompt + r["text"], None
+    head, tail = legacy_logprobs(r["prompt_logprobs"]), legacy_logprobs(r["logprobs"], len(prompt))
+    return prompt + r["text"], {k: head[k] + tail[k] for k in head}
 
 
 def chat_completion(id: str, created: int, model: str, items: list[list[dict]]) -> dict:
     choices = [{"index": i, "message": {"role": "assistant", "content": r["text"], "refusal": None},
-                "logprobs": chat_logprobs(r["logprobs"]), "finish_reason": finish_reason(r["finish_reason"])}
+                "logprobs": chat_logprobs(r["logprobs"]), "finish_reason": finish_reason(r["finish_reason"]),
+                "prompt_logprobs": r.get("prompt_logprobs")}
                for i, r in enumerate(r for samples in items for r in samples)]
     return ChatCompletion(id=id, created=created, model=model, choices=choices, usage=usage(items)).model_dump()
 
 
-def text_completion(id: str, created: int, model: str, items: list[list[dict]]) -> dict:
-    choices = [{"index": i, "text": r["text"], "logprobs": legacy_logprobs(r["logprobs"]),
-                "finish_reason": finish_reason(r["finish_reason"])}
-               for i, r in enumerate(r for samples in items for r in samples)]
+def text_completion(id: str, created: int, model: str, items: list[list[dict]],
+                    echo: list[str] | None = None) -> dict:
+    """`echo`: each item's prompt text, to put first (the request's `echo`)."""
+    choices = []
+    for index, samples in enumerate(items):
+        for r in samples:
+            text, lps = _echoed(echo[index], r) if echo else (r["text"], legacy_logprobs(r["logprobs"]))
+            choices.append({"index": len(choices), "text": text, "logprobs": lps,
+                            "finish_reason": finish_reason(r["finish_reason"]),
+                            # echoed, they are in logprobs already
+                            "prompt_logprobs": None if echo else r.get("prompt_logprobs")})
     return Completion(id=id, created=created, model=model, choices=choices, usage=usage(items)).model_dump()
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from results import events, keys
 from results.reader import Rebuilder
 
-from .. import jobs, streams, submit
+from .. import jobs, streams, submit, tokenize
 from ..schemas import JobRequest
 from . import bodies, models
 from .errors import ErrorOut, OpenAIError
@@ -54,10 +54,20 @@ async def completions(req: CompletionRequest, request: Request):
         items = {"input_ids": [p]}
     else:
         items = {"input_ids": p}
-    return await _serve(request, req, items, "cmpl-")
+    return await _serve(request, req, items, "cmpl-", echo=req.echo)
 
 
-async def _serve(request: Request, req, items: dict, prefix: str):
+def _prompt_texts(redis, model: str, items: dict) -> list[str]:
+    """Each item's prompt as text, to echo: as given, or token ids decoded by the model's
+    tokenizer."""
+    if "prompts" in items:
+        return items["prompts"]
+    tok, lock = tokenize.tokenizer(redis, model)
+    with lock:
+        return [tok.decode(ids) for ids in items["input_ids"]]
+
+
+async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = False):
     st, tenant = request.app.state, request.state.tenant
     size = len(next(iter(items.values())))
     if size > st.settings.max_batch:
@@ -80,8 +90,10 @@ async def _serve(request: Request, req, items: dict, prefix: str):
     chat = prefix == "chatcmpl-"
     if not req.stream:
         found = await _collect(_follow(st, follower, job_id, request), size, params.n)
-        make = bodies.chat_completion if chat else bodies.text_completion
-        return JSONResponse(make(*head, found))
+        if chat:
+            return JSONResponse(bodies.chat_completion(*head, found))
+        texts = await anyio.to_thread.run_sync(_prompt_texts, st.redis, req.model, items) if echo else None
+        return JSONResponse(bodies.text_completion(*head, found, texts))
     entries = _follow(st, follower, job_id, None)  # StreamingResponse cancels it when the client goes
     first = []
     async for e in entries:  # up to the first output: a prompt that cannot run still gets its 400
@@ -141,7 +153,7 @@ async def _follow(st, follower: streams.Follower, job_id: str, request: Request 
 
 def _record(entry: dict) -> dict:
     return {"text": entry["text"], "finish_reason": entry["finish_reason"], "usage": entry["usage"],
-            "logprobs": entry.get("logprobs")}
+            "logprobs": entry.get("logprobs"), "prompt_logprobs": entry.get("prompt_logprobs")}
 
 
 async def _collect(entries, size: int, n: int) -> list[list[dict]]:

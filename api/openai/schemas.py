@@ -2,7 +2,7 @@
 the mapping of OpenAI's sampling names onto SamplingParams (the one definition of each
 parameter: the request fields take its type, bounds and description).
 
-A field OpenAI has and we do not (tools, logit_bias, echo, ...) is an unknown field here:
+A field OpenAI has and we do not (logit_bias, ...) is an unknown field here:
 400 naming it (api.openai.errors), never ignored."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, Stop
 from worker.settings import Settings
 from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, Role, content_type
 
-from ..schemas import MetadataKey, MetadataValue, Priority
+from ..schemas import MetadataKey, MetadataValue, Priority, PromptTokenLogprob
 from .errors import OpenAIError
 
 # OpenAI name -> SamplingParams name: the one place where the two vocabularies meet.
@@ -24,7 +24,8 @@ SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
 # Extensions, as vLLM takes them: the engine's other parameters.
 EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
               "min_tokens": "min_new_tokens", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-              "skip_special_tokens": "skip_special_tokens", "regex": "regex", "choice": "choice"}
+              "skip_special_tokens": "skip_special_tokens", "regex": "regex", "choice": "choice",
+              "prompt_logprobs": "prompt_logprobs"}
 CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}  # completions: `logprobs: k`
 
 
@@ -138,6 +139,10 @@ CompletionRequest = create_model(
     prompt=(Prompt, Field(description="a text, texts, token ids, or lists of token ids: one job item each")),
     logprobs=(Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]],
               Field(None, description="the log-probability of each token and of the k most likely")),
+    echo=(bool, Field(False, description=(
+        "the prompt comes first in the text; with logprobs, its tokens and their logprobs too "
+        "(the first's null), as scoring clients ask (`max_tokens: 0`: the prompt alone). Not "
+        "with `stream`, nor in batch lines (ask `prompt_logprobs` there)"))),
     **_fields({**SAMPLING, **EXTENSIONS}))
 
 
@@ -149,6 +154,8 @@ def sampling_params(req: Request, settings: Settings) -> SamplingParams:
     given = {ours: getattr(req, theirs) for theirs, ours in table.items() if getattr(req, theirs) is not None}
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         given.update(logprobs=True, top_logprobs=req.logprobs)
+        if req.echo:
+            given.setdefault("prompt_logprobs", req.logprobs)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         given["json_object"] = True
@@ -167,6 +174,9 @@ def sampling_params(req: Request, settings: Settings) -> SamplingParams:
         err = e.errors()[0]
         name = named(err["loc"][0]) if err["loc"] else None
         raise OpenAIError(400, f"{name + ': ' if name else ''}{err['msg']}", param=name, code="invalid_value") from None
+    if isinstance(req, CompletionRequest) and req.echo and req.stream:
+        raise OpenAIError(400, "echo: not with stream: true (the prompt's logprobs come with the whole "
+                               "sample); ask without stream", param="echo", code="unsupported_parameter")
     if p.max_new_tokens > settings.max_new_tokens:
         raise OpenAIError(400, f"{p.max_new_tokens} tokens is over this server's limit of {settings.max_new_tokens} "
                                "(FANOUT_MAX_NEW_TOKENS)", param=named("max_new_tokens"), code="invalid_value")
@@ -209,8 +219,8 @@ class ChatLogprobs(BaseModel):
 
 class LegacyLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for the first prompt token, with echo")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -236,6 +246,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str
+    prompt_logprobs: list[PromptTokenLogprob] | None = Field(None, description=(
+        "extension (`prompt_logprobs: k`): each token's logprob in the templated chat"))
 
 
 class ChatCompletion(BaseModel):
@@ -253,6 +265,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: LegacyLogprobs | None
     finish_reason: str
+    prompt_logprobs: list[PromptTokenLogprob] | None = Field(None, description=(
+        "extension (`prompt_logprobs: k`): each prompt token's logprob given the tokens before it"))
 
 
 class Completion(BaseModel):

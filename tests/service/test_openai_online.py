@@ -96,8 +96,8 @@ def test_unsupported_fields_bad_values_and_unknown_models_get_openai_errors(oai)
     assert (e.value.param, e.value.code) == ("logit_bias", "unsupported_parameter")
     assert "logit_bias" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model="llama", prompt="x", echo=True)
-    assert e.value.param == "echo"
+        oai.completions.create(model="llama", prompt="x", suffix="y")
+    assert e.value.param == "suffix"
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x", "name": "bob"}])
     assert e.value.param == "messages[0].name"

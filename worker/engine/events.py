@@ -12,8 +12,9 @@ logits: before penalties, temperature and top-k / top-p / min-p, so a sampled to
 outside its position's top tokens.
 
 Prompt logprobs (`prompt_logprobs=k`) are the same records for the prompt's tokens, each
-scored given the tokens before it (teacher forcing), with None for the first: one per
-prompt token, on the sample's final event and result.
+scored given the tokens before it (teacher forcing): one per prompt token, the first with
+`logprob` and `top_logprobs` null (nothing comes before it), on the sample's final event
+and result.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Event:
     logprobs: list[dict] | None = None  # records of token_ids
     usage: Usage | None = None
     matched_stop: str | int | None = None  # the stop string or token id that ended it
-    prompt_logprobs: list[dict | None] | None = None  # final event, when asked: one per prompt token
+    prompt_logprobs: list[dict] | None = None  # final event, when asked: one per prompt token
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class SampleResult:
     error: str | None = None
     logprobs: list[dict] | None = None  # one record per token of token_ids, when asked
     matched_stop: str | int | None = None
-    prompt_logprobs: list[dict | None] | None = None  # one per prompt token (None first), when asked
+    prompt_logprobs: list[dict] | None = None  # one per prompt token (the first's logprob null), when asked
 
 
 @dataclass(slots=True)

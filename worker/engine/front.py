@@ -286,12 +286,15 @@ class Front:
         s.logprobs += new
         return new
 
-    def _prompt_logprobs(self, r: Req) -> list[dict | None] | None:
-        """Records of the prompt's tokens, None first (nothing comes before it); None when
-        not asked or not all computed (a request that ended before its prefill did)."""
+    def _prompt_logprobs(self, r: Req) -> list[dict] | None:
+        """Records of the prompt's tokens, the first with logprob and top_logprobs null
+        (nothing comes before it); None when not asked or not all computed (a request that
+        ended before its prefill did)."""
         if r.params.prompt_logprobs is None or r.prompt_logprobs_todo:
             return None
-        return [None] + [self._record(t, lp) for t, lp in zip(r.input_ids[1:], r.prompt_logprobs)]
+        first = {"token_id": r.input_ids[0], "token": self._piece(r.input_ids[0]), "logprob": None,
+                 "top_logprobs": None}
+        return [first] + [self._record(t, lp) for t, lp in zip(r.input_ids[1:], r.prompt_logprobs)]
 
     def _record(self, token_id: int, lp: TokenLogprob) -> dict:
         return {"token_id": token_id, "token": self._piece(token_id), "logprob": lp.logprob,
