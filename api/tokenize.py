@@ -29,6 +29,7 @@ from .openai.schemas import ChatMessage
 router = APIRouter()
 
 _loaded: dict[str, tuple[str, object, threading.Lock]] = {}  # model -> (digest, tokenizer, its lock)
+_loading = threading.Lock()  # one load at a time (transformers' lazy imports race across threads too)
 
 
 class TokenizeRequest(Strict):
@@ -71,17 +72,24 @@ def tokenizer(redis, model: str):
     digest = digest.decode()
     got = _loaded.get(model)
     if got is None or got[0] != digest:
-        from transformers import AutoTokenizer
-
-        files = redis.hgetall(keys.tokenizer(model))
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, data in files.items():
-                name = name.decode()
-                if name != "digest" and os.path.basename(name) == name:
-                    with open(os.path.join(tmp, name), "wb") as f:
-                        f.write(data)
-            got = _loaded[model] = (digest, AutoTokenizer.from_pretrained(tmp), threading.Lock())
+        with _loading:
+            got = _loaded.get(model)
+            if got is None or got[0] != digest:
+                got = _loaded[model] = (digest, _load(redis, model), threading.Lock())
     return got[1], got[2]
+
+
+def _load(redis, model: str):
+    from transformers import AutoTokenizer
+
+    files = redis.hgetall(keys.tokenizer(model))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            name = name.decode()
+            if name != "digest" and os.path.basename(name) == name:
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 def _tokenize(redis, req: TokenizeRequest) -> dict:

@@ -78,12 +78,15 @@ def test_generate_writes_logprobs(tmp_path, model_dir, engine):
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
     main(["generate", str(src), str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "5",
-          "--temperature", "0", "--logprobs", "--top-logprobs", "2"])
+          "--temperature", "0", "--logprobs", "--top-logprobs", "2", "--prompt-logprobs", "1"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     want = engine.generate(prompts=PROMPTS, sampling_params=SamplingParams(
-        max_new_tokens=5, temperature=0, logprobs=True, top_logprobs=2))
+        max_new_tokens=5, temperature=0, logprobs=True, top_logprobs=2, prompt_logprobs=1))
     for row, it in zip(rows, want, strict=True):
         assert_same_records(row["samples"][0]["logprobs"], it.samples[0].logprobs)
+        got, ref = row["samples"][0]["prompt_logprobs"], it.samples[0].prompt_logprobs
+        assert got[0] == ref[0] and got[0]["logprob"] is None and len(got) == len(ref) > 1
+        assert_same_records(got[1:], ref[1:])
 
 
 @pytest.mark.parametrize("sp,loc,msg", [
