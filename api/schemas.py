@@ -145,6 +145,11 @@ class PromptTokenLogprob(BaseModel):
                                                                "at its position, best first; null for the first")
 
 
+class ParsedCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments object")
+
+
 class SampleOut(BaseModel):
     sample: int
     text: str
@@ -156,6 +161,9 @@ class SampleOut(BaseModel):
         None, description="one per token of token_ids; null unless the sample asked (`logprobs: true`)")
     prompt_logprobs: list[PromptTokenLogprob] | None = Field(
         None, description="one per prompt token; null unless the item asked (`prompt_logprobs: k`)")
+    tool_calls: list[ParsedCall] | None = Field(
+        None, description="a chat item with tools: the calls parsed out of `text` ([] for none); else null")
+    content: str | None = Field(None, description="a chat item with tools: the text that is not a call")
 
 
 class ItemOut(BaseModel):

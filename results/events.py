@@ -13,6 +13,9 @@ stays readable.
                                                       `prompt_logprobs` its prompt's (asked with
                                                       `prompt_logprobs: k`: one per prompt
                                                       token, the first's logprob null)
+                  [tool_calls content]                a chat item with tools: the calls parsed
+                                                      from `text` ([{"name", "arguments"}]) and
+                                                      the text that is not a call
     type=error    index sample error                  the sample failed (e.g. prompt too long)
     type=status   status [done total failed error]    the job's status changed
 
@@ -38,7 +41,7 @@ ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "st
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 
 _INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed", "shard", "lo", "hi"})
-_JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs", "prompt_logprobs"})
+_JSON = frozenset({"delta_ids", "token_ids", "usage", "logprobs", "prompt_logprobs", "tool_calls"})
 
 
 def worker_ref(name: str) -> str:
@@ -57,7 +60,12 @@ def attempt(number: int, worker: str, shard: int, lo: int, hi: int) -> dict[str,
 def delta(index: int, sample: int, text: str, token_ids: list[int],
           logprobs: list[dict] | None = None, custom_id: str | None = None) -> dict[str, str]:
     return _optional({"type": DELTA, "index": str(index), "sample": str(sample), "delta": text,
-                      "delta_ids": json.dumps(token_ids)}, logprobs, custom_id)
+                      "delta_ids": json.dumps(token_ids)}, custom_id, logprobs=logprobs)
+
+
+# A stored record's fields that only some samples have (store.sample_record), in the final
+# entry as they are in the record.
+OPTIONAL = ("logprobs", "prompt_logprobs", "tool_calls", "content")
 
 
 def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict,
@@ -67,25 +75,23 @@ def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record
                       "delta_ids": json.dumps(ids_delta), "text": record["text"],
                       "token_ids": json.dumps(record["token_ids"]),
                       "finish_reason": record["finish_reason"], "usage": json.dumps(record["usage"])},
-                     record["logprobs"], custom_id, record.get("prompt_logprobs"))
+                     custom_id, **{k: record.get(k) for k in OPTIONAL})
 
 
-def _optional(fields: dict[str, str], logprobs: list[dict] | None, custom_id: str | None,
-              prompt_logprobs: list[dict] | None = None) -> dict[str, str]:
-    """Only samples that asked carry logprobs, only items that have one their custom_id: the
-    other entries stay small."""
-    if logprobs is not None:
-        fields["logprobs"] = json.dumps(logprobs)
-    if prompt_logprobs is not None:
-        fields["prompt_logprobs"] = json.dumps(prompt_logprobs)
+def _optional(fields: dict[str, str], custom_id: str | None, **extra) -> dict[str, str]:
+    """Only samples that asked carry logprobs (or prompt logprobs, or tool calls), only items
+    that have one their custom_id: the other entries stay small. `content` is text, the rest
+    JSON."""
+    for k, v in extra.items():
+        if v is not None:
+            fields[k] = v if k == "content" else json.dumps(v)
     if custom_id is not None:
         fields["custom_id"] = custom_id
     return fields
 
 
 def error(index: int, sample: int, message: str, custom_id: str | None = None) -> dict[str, str]:
-    return _optional({"type": ERROR, "index": str(index), "sample": str(sample), "error": message},
-                     None, custom_id)
+    return _optional({"type": ERROR, "index": str(index), "sample": str(sample), "error": message}, custom_id)
 
 
 def status(value: str, **extra: Any) -> dict[str, str]:

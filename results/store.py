@@ -13,15 +13,17 @@ from . import keys
 
 def sample_record(text: str, token_ids: list[int], finish_reason: str, usage: dict | None,
                   error: str | None = None, logprobs: list[dict] | None = None,
-                  prompt_logprobs: list[dict] | None = None) -> dict[str, Any]:
+                  **optional) -> dict[str, Any]:
     """`logprobs`: one record per token of token_ids (worker/engine/events.py), None when
-    not asked. `prompt_logprobs`: one per prompt token (the first's logprob null), only in the records of
-    samples that asked (a scoring job's records are mostly these)."""
+    not asked. `optional` (results.events.OPTIONAL), only in the records of samples that
+    have them: `prompt_logprobs`, one per prompt token (the first's logprob null; a scoring
+    job's records are mostly these); for a chat item with tools, `tool_calls` (the calls
+    parsed out of `text`, [{"name", "arguments" JSON text}]) and `content` (the text that is
+    not a call, or null)."""
     rec = {"text": text, "token_ids": token_ids, "finish_reason": finish_reason,
            "usage": usage or {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0},
            "error": error, "logprobs": logprobs}
-    if prompt_logprobs is not None:
-        rec["prompt_logprobs"] = prompt_logprobs
+    rec.update((k, v) for k, v in optional.items() if v is not None)
     return rec
 
 

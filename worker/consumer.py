@@ -333,7 +333,8 @@ class Consumer(Outages, Publishing, BaseWorker):
                 a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
             pipe.hset(keys.models(), self.model, json.dumps(
                 {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl,
-                 "images": self.image_schemes, "max_model_len": self.engine.max_context}))
+                 "images": self.image_schemes, "max_model_len": self.engine.max_context,
+                 "tools": self.engine.front.tool_format}))
             answers = pipe.execute()
         if answers[len(actives)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:

@@ -58,7 +58,8 @@ def sample_record(ev) -> dict:
         usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
                  "completion_tokens": ev.usage.completion_tokens}
     return store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
-                               ev.logprobs, ev.prompt_logprobs)
+                               ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
+                               tool_calls=ev.tool_calls, content=ev.content)
 
 
 class Publishing:

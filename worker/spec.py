@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from .engine.sampling_params import SamplingParams, TokenId
+from .engine.tools import MAX_TOOLS, FunctionName
 
 QUEUES = {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"}
 QUEUE_ORDER = [QUEUES["high"], QUEUES["normal"], QUEUES["low"]]  # a worker takes from the first non-empty
@@ -109,18 +110,55 @@ CONTENT_TAGS = frozenset({"string", "parts", "text_part", "image_part"})
 Role = Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's
 
 
+class CallFunction(Strict):
+    name: FunctionName
+    arguments: Text = Field(description="the arguments object as JSON text")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("must be a JSON object's text")
+        return v
+
+
+class ToolCall(Strict):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: CallFunction
+
+
 class Message(Strict):
     role: Role
-    content: content_type() = Field(description=(
+    content: content_type() | None = Field(description=(
         "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
-        "(data URLs; images need a model that takes them)"))
+        "(data URLs; images need a model that takes them); null only in an assistant message "
+        "with tool_calls"))
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="an assistant's earlier calls (tool calling)")
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one, and only a tool message has one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content: null only in an assistant message with tool_calls")
+        return self
 
     def chat_dict(self) -> dict:
-        """The message as the engine takes it (chat.py)."""
-        return self.model_dump(mode="json")
+        """The message as the engine takes it (chat.py): the fields it has."""
+        return self.model_dump(mode="json", exclude_none=True)
 
     def has_images(self) -> bool:
-        return not isinstance(self.content, str) and any(p.type == "image_url" for p in self.content)
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
 
 
 class JobInput(Strict):

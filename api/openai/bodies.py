@@ -4,6 +4,8 @@ stored samples and the stream's final entries have that shape): `chat.completion
 and the batch output files both use them."""
 from __future__ import annotations
 
+import hashlib
+
 from .schemas import ChatCompletion, Completion
 
 
@@ -58,11 +60,34 @@ def _echoed(prompt: str, r: dict) -> tuple[str, dict | None]:
     return prompt + r["text"], {k: head[k] + tail[k] for k in head}
 
 
+def tool_calls(id: str, choice: int, r: dict) -> list[dict] | None:
+    """The sample's parsed calls (worker/engine/tools.py) as OpenAI's, None without any. Ids
+    come from (completion id, choice, call): the same after a retry, or in a batch's file."""
+    calls = r.get("tool_calls")
+    if not calls:
+        return None
+    return [{"id": "call_" + hashlib.blake2b(f"{id}:{choice}:{k}".encode(), digest_size=12).hexdigest(),
+             "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for k, c in enumerate(calls)]
+
+
+def chat_message(id: str, choice: int, r: dict) -> tuple[dict, str]:
+    """(the choice's message, its finish_reason): with tool calls, the text outside them
+    (null if none) and `tool_calls`."""
+    calls = tool_calls(id, choice, r)
+    if calls is None:
+        return ({"role": "assistant", "content": r["text"], "refusal": None},
+                finish_reason(r["finish_reason"]))
+    return ({"role": "assistant", "content": r.get("content"), "refusal": None, "tool_calls": calls},
+            "tool_calls")
+
+
 def chat_completion(id: str, created: int, model: str, items: list[list[dict]]) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": r["text"], "refusal": None},
-                "logprobs": chat_logprobs(r["logprobs"]), "finish_reason": finish_reason(r["finish_reason"]),
-                "prompt_logprobs": r.get("prompt_logprobs")}
-               for i, r in enumerate(r for samples in items for r in samples)]
+    choices = []
+    for i, r in enumerate(r for samples in items for r in samples):
+        message, finish = chat_message(id, i, r)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(r["logprobs"]),
+                        "finish_reason": finish, "prompt_logprobs": r.get("prompt_logprobs")})
     return ChatCompletion(id=id, created=created, model=model, choices=choices, usage=usage(items)).model_dump()
 
 
@@ -85,7 +110,7 @@ def chat_chunk(id: str, created: int, model: str, index: int, delta: dict, logpr
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None,
             "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                         "finish_reason": finish and finish_reason(finish)}]}
+                         "finish_reason": finish and (finish if finish == "tool_calls" else finish_reason(finish))}]}
 
 
 def text_chunk(id: str, created: int, model: str, index: int, text: str, logprobs: list[dict] | None = None,

@@ -75,6 +75,8 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
                                "(FANOUT_MAX_BATCH)", param="prompt", code="invalid_value")
     await anyio.to_thread.run_sync(models.require, st.redis, req.model)
     params = sampling_params(req, st.settings)
+    if params.tools and params.effective_tool_choice == "auto":
+        await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
     may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
     job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal",
                      metadata={"user": req.user} if req.user else {})
@@ -105,7 +107,9 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
         await entries.aclose()  # cancels the rest of the job
         raise _failure(last)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_chunks(chat, head, first, entries, size, params.n, include_usage),
+    # With tools, a choice's text is a call or not only once it is whole: it comes at its end.
+    whole = chat and bool(params.tools) and params.effective_tool_choice != "none"
+    return StreamingResponse(_chunks(chat, head, first, entries, size, params.n, include_usage, whole),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -153,7 +157,7 @@ async def _follow(st, follower: streams.Follower, job_id: str, request: Request 
 
 def _record(entry: dict) -> dict:
     return {"text": entry["text"], "finish_reason": entry["finish_reason"], "usage": entry["usage"],
-            "logprobs": entry.get("logprobs"), "prompt_logprobs": entry.get("prompt_logprobs")}
+            **{k: entry.get(k) for k in events.OPTIONAL}}
 
 
 async def _collect(entries, size: int, n: int) -> list[list[dict]]:
@@ -174,12 +178,28 @@ async def _collect(entries, size: int, n: int) -> list[list[dict]]:
     return [[found[(i, j)] for j in range(n)] for i in range(size)]
 
 
+def _tool_chunks(head: tuple, c: int, record: dict) -> list[dict]:
+    """A whole chat choice as chunks: its content (if any), one tool_calls delta per call
+    (id, name and all of the arguments at once), and its finish_reason."""
+    message, finish = bodies.chat_message(head[0], c, record)
+    lps = record["logprobs"]
+    out = []
+    if message["content"] or lps:
+        out.append(bodies.chat_chunk(*head, c, {"content": message["content"] or ""}, lps))
+    for k, call in enumerate(message.get("tool_calls") or []):
+        out.append(bodies.chat_chunk(*head, c, {"tool_calls": [{"index": k, **call}]}))
+    out.append(bodies.chat_chunk(*head, c, {}, None, finish))
+    return out
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
 async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int, n: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, whole: bool = False) -> AsyncIterator[str]:
+    """`whole`: each choice comes in its final chunks (a chat with tools): its content, then
+    its tool_calls deltas, then its finish_reason."""
     rebuilt, sent, finals = Rebuilder(), {}, {}
     extra = {"usage": None} if include_usage else {}  # OpenAI: every chunk has it then, null
     if chat:  # each choice opens with the assistant's role
@@ -203,9 +223,14 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
             if kind == events.ERROR:
                 continue
             return
-        if kind not in (events.DELTA, events.FINAL):
+        if kind not in (events.DELTA, events.FINAL) or (whole and kind == events.DELTA):
             continue
         key = (e["index"], e["sample"])
+        if whole:
+            finals[key] = _record(e)
+            for chunk in _tool_chunks(head, key[0] * n + key[1], finals[key]):
+                yield _sse({**chunk, **extra})
+            continue
         out, (chars, tokens) = rebuilt.outputs[key], sent.get(key, (0, 0))
         text = out.text[chars:]
         lps = out.logprobs[tokens:] if out.logprobs is not None else None

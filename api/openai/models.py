@@ -34,14 +34,31 @@ def require(redis, name: str) -> None:
                                "lists the served ones)", param="model", code="model_not_found")
 
 
-def image_schemes(redis, name: str) -> list[str] | None:
-    """The image URL schemes `name`'s workers take (worker.consumer announces them): [] for a
-    text model, None when no worker serves it."""
+def _announced(redis, name: str) -> dict | None:
+    """What `name`'s workers announce with their heartbeat (worker.consumer), None when no
+    worker serves it."""
     raw = redis.hget(keys.models(), name)
-    if raw is None:
+    return None if raw is None else json.loads(raw)
+
+
+def image_schemes(redis, name: str) -> list[str] | None:
+    """The image URL schemes `name`'s workers take: [] for a text model, None when no worker
+    serves it."""
+    entry = _announced(redis, name)
+    if entry is None:
         return None
-    schemes = json.loads(raw).get("images")
+    schemes = entry.get("images")
     return schemes if isinstance(schemes, list) else []
+
+
+def require_tool_format(redis, name: str) -> None:
+    """OpenAIError 400 unless `name`'s chat template has a tool format (worker/engine/tools.py),
+    which tool_choice auto parses."""
+    entry = _announced(redis, name)
+    if entry is not None and not entry.get("tools"):
+        raise OpenAIError(400, f"tool_choice: auto needs a chat template with a tool format, and the model "
+                               f"'{name}' has none; ask tool_choice required or a named function (decoded "
+                               "under the functions' schemas)", param="tool_choice", code="unsupported_parameter")
 
 
 def require_images(redis, name: str, messages: list[ChatMessage]) -> None:

@@ -12,7 +12,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
 from worker.settings import Settings
-from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, Role, content_type
+from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, content_type
 
 from ..schemas import MetadataKey, MetadataValue, Priority, PromptTokenLogprob
 from .errors import OpenAIError
@@ -27,6 +27,7 @@ EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetit
               "skip_special_tokens": "skip_special_tokens", "regex": "regex", "choice": "choice",
               "prompt_logprobs": "prompt_logprobs"}
 CHAT_LOGPROBS = {"logprobs": "logprobs", "top_logprobs": "top_logprobs"}  # completions: `logprobs: k`
+TOOLS = {"tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "parallel_tool_calls"}  # chat
 
 
 class Strict(BaseModel):
@@ -85,26 +86,30 @@ class ChatImagePart(ImagePart):
     image_url: ChatImageURL
 
 
-class ChatMessage(Strict):
-    role: Role
-    content: content_type(ChatImagePart) = Field(description=(
+class ChatMessage(Message):
+    """A request's message: the job's Message (tool calls and all) whose image parts may
+    carry `detail`."""
+    content: content_type(ChatImagePart) | None = Field(description=(
         "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
-        "takes images)"))
+        "takes images); null only in an assistant message with tool_calls"))
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def image_parts(self) -> list[int]:
         """Positions of the image parts in the content."""
-        return [] if isinstance(self.content, str) else [
+        return [] if not isinstance(self.content, list) else [
             j for j, p in enumerate(self.content) if p.type == "image_url"]
 
     def job_message(self) -> Message:
         """The job's message: text-only content joined into one string (as before images),
         else the parts as given (`detail` dropped)."""
+        tools = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
         if not self.image_parts():
-            return Message(role=self.role, content=self.text())
-        return Message.model_validate({"role": self.role, "content": [
+            return Message(role=self.role, content=None if self.content is None else self.text(), **tools)
+        return Message.model_validate({"role": self.role, **tools, "content": [
             {"type": "text", "text": p.text} if p.type == "text"
             else {"type": "image_url", "image_url": {"url": p.image_url.url}} for p in self.content]})
 
@@ -128,7 +133,7 @@ def image_error(messages: list[ChatMessage], model: str, schemes: list[str]) -> 
 ChatCompletionRequest = create_model(
     "ChatCompletionRequest", __base__=Request,
     messages=(list[ChatMessage], Field(min_length=1, description="templated by the model's chat template")),
-    **_fields({**SAMPLING, **EXTENSIONS, **CHAT_LOGPROBS}))
+    **_fields({**SAMPLING, **EXTENSIONS, **CHAT_LOGPROBS, **TOOLS}))
 
 Prompt = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
           | Annotated[list[TokenId], Field(min_length=1)]
@@ -150,7 +155,7 @@ def sampling_params(req: Request, settings: Settings) -> SamplingParams:
     """The request's sampling fields as SamplingParams, within the service's limits. Without
     max_tokens a chat completion may run to FANOUT_MAX_NEW_TOKENS (or the end of the
     context) and a completion to 16 tokens, as OpenAI's defaults."""
-    table = {**SAMPLING, **EXTENSIONS, **(CHAT_LOGPROBS if isinstance(req, ChatCompletionRequest) else {})}
+    table = {**SAMPLING, **EXTENSIONS, **({**CHAT_LOGPROBS, **TOOLS} if isinstance(req, ChatCompletionRequest) else {})}
     given = {ours: getattr(req, theirs) for theirs, ours in table.items() if getattr(req, theirs) is not None}
     if isinstance(req, CompletionRequest) and req.logprobs is not None:
         given.update(logprobs=True, top_logprobs=req.logprobs)
@@ -235,10 +240,23 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text; under tool_choice required or a named function, "
+                                       "always valid for the function's parameters")
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls alone")
     refusal: None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -9,6 +9,7 @@ is then expanded to the image's token count, every position holding the image's 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .bound import TextBound
@@ -100,17 +101,18 @@ class ChatEncoder:
                     o[0].close()
         return out
 
-    def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None
-               ) -> tuple[list[int], list[ImageSpan]]:
+    def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None,
+               tools: list | None = None) -> tuple[list[int], list[ImageSpan]]:
         """Token ids (images expanded) and the image spans; ValueError for a bad chat or
         image (its item fails alone). `images`: the chat's images from load(), if read
-        already."""
+        already. `tools` (tools.Tool): rendered by the template, as HF's `tools=` takes them."""
         messages, urls = _parse(chat)
         if urls and self.vision is None:
             raise ValueError("this model does not take images")
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **extra)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from None
         if self.bound is not None and (error := self.bound.check(text)) is not None:
@@ -169,5 +171,21 @@ def _parse(chat: list[dict]) -> tuple[list[dict], list[str]]:
                 m = {**m, "content": "".join(p["text"] for p in parts)}
             else:
                 m = {**m, "content": parts}
+        if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+            m = {**m, "tool_calls": [_template_call(i, c) for c in m["tool_calls"]]}
         messages.append(m)
     return messages, urls
+
+
+def _template_call(i: int, call) -> dict:
+    """An assistant's earlier tool call as templates take it: OpenAI's
+    {id, type, function: {name, arguments (JSON text)}} with the arguments an object (the
+    templates write them with `tojson`)."""
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("arguments"), str):
+        raise ValueError(f"message {i}: a tool call is {{id, type: function, function: {{name, arguments}}}}")
+    try:
+        args = json.loads(f["arguments"])
+    except ValueError:
+        raise ValueError(f"message {i}: a tool call's arguments are not JSON") from None
+    return {**call, "function": {**f, "arguments": args}}

@@ -47,11 +47,12 @@ class Encoder:
             return out
 
     def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
-        """(ids, image spans, error) per item (index, prompt or None, input_ids or None)."""
+        """(ids, image spans, error) per item (index, prompt or None, input_ids or None, the
+        chat's tools or None)."""
         out: list = [None] * len(items)
         plain = []
         bound = self.chats.bound
-        for i, (_, prompt, _) in enumerate(items):
+        for i, (_, prompt, _, _) in enumerate(items):
             if isinstance(prompt, str) and bound and (error := bound.check(prompt)) is not None:
                 out[i] = ([], [], error)
             elif not isinstance(prompt, list):
@@ -59,17 +60,20 @@ class Encoder:
         for i, (ids, error) in zip(plain, self._tokenize_each([items[i][1] if items[i][1] is not None
                                                                else items[i][2] for i in plain])):
             out[i] = (ids, [], error)
-        for i, (index, chat, _) in enumerate(items):
+        for i, (index, chat, _, tools) in enumerate(items):
             if isinstance(chat, list):
-                out[i] = self.encode_chat(index, chat)
+                out[i] = self.encode_chat(index, chat, tools=tools)
+            elif tools:
+                out[i] = ([], [], "tools: only for chat items (messages)")
         return out
 
-    def encode_chat(self, index: int, chat: list, images: dict | Exception | None = None) -> tuple:
+    def encode_chat(self, index: int, chat: list, images: dict | Exception | None = None,
+                    tools: list | None = None) -> tuple:
         if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
             why = f"{type(images).__name__}: {images}"
             return [], [], f"messages[{index}]: its images could not be loaded ({why})"
         try:
-            return (*self.chats.encode(chat, images), None)
+            return (*self.chats.encode(chat, images, tools), None)
         except ValueError as e:
             return [], [], f"messages[{index}]: {e}"
         except Exception as e:  # e.g. the tokenizer refusing a text: this chat fails alone

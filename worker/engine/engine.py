@@ -217,5 +217,5 @@ class Engine:
         for ev in sorted((e for e in events if e.finished), key=lambda e: (e.index, e.sample)):
             items[ev.index].samples.append(SampleResult(
                 ev.text, ev.token_ids, ev.finish_reason, ev.usage, ev.error, ev.logprobs,
-                ev.matched_stop, ev.prompt_logprobs))
+                ev.matched_stop, ev.prompt_logprobs, ev.tool_calls, ev.content))
         return items

@@ -48,6 +48,10 @@ class Event:
     usage: Usage | None = None
     matched_stop: str | int | None = None  # the stop string or token id that ended it
     prompt_logprobs: list[dict] | None = None  # final event, when asked: one per prompt token
+    # Final event of a chat item with tools (tools.py): the calls parsed out of the text
+    # ({"name", "arguments" JSON text}; [] for none) and the text that is not a call.
+    tool_calls: list[dict] | None = None
+    content: str | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +64,8 @@ class SampleResult:
     logprobs: list[dict] | None = None  # one record per token of token_ids, when asked
     matched_stop: str | int | None = None
     prompt_logprobs: list[dict] | None = None  # one per prompt token (the first's logprob null), when asked
+    tool_calls: list[dict] | None = None  # with tools: the calls (see Event)
+    content: str | None = None  # with tools: the text that is not a call
 
 
 @dataclass(slots=True)

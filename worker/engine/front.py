@@ -27,6 +27,7 @@ from .encoder import Encoder
 from .intake import Call, ImageIntake, Pending, TextIntake
 from .req import Req
 from .sampling_params import SamplingParams, per_item
+from . import tools
 from .sampler import TokenLogprob
 from .scheduler import Scheduler, StepResult, step_error
 
@@ -78,6 +79,7 @@ class Front:
         self.kv_tokens = kv_tokens
         self.eos_ids = frozenset(eos_ids)
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
+        self.tool_format = tools.format_of(getattr(tokenizer, "chat_template", None))
         self.streams: dict[str, _Stream] = {}
         self.warmups: dict[str, _Warmup] = {}
         self.outbox: list[Event] = []  # events without a sink, until take_events()
@@ -126,7 +128,7 @@ class Front:
             self._fan_out(items[0].call, [(it.index, *enc, it.params) for it, enc in zip(items, encoded)])
         for items, images in self.intake.ready(block and not waiting_text):
             for it in items:
-                enc = self.encoder.encode_chat(it.index, it.chat, images)
+                enc = self.encoder.encode_chat(it.index, it.chat, images, it.params.tools)
                 self.intake.hold(self._fan_out(it.call, [(it.index, *enc, it.params)]))
 
     def _fan_out(self, call: Call, entries: list[tuple]) -> list[Req]:
@@ -183,6 +185,9 @@ class Front:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size and t not in pads), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
+        if p.tools and p.effective_tool_choice == "auto" and self.tool_format is None:
+            return ("tool_choice: auto needs a chat template with a tool format (this model's has none); "
+                    "ask required or a named function, which are decoded under their schemas")
         if images and p.prompt_logprobs is not None:
             return "prompt_logprobs: not for a prompt with images (its image positions are not tokens)"
         if len(ids) >= self.max_context:
@@ -310,9 +315,13 @@ class Front:
     def _final(self, s: _Stream, delta: str, toks: list[int] | tuple = ()) -> Event:
         r = s.req
         usage = Usage(len(r.input_ids), r.cached_tokens, len(r.output_ids))
-        return Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
-                     r.finish_reason, r.error, s.detok.text, list(r.output_ids), s.logprobs, usage,
-                     r.matched_stop, self._prompt_logprobs(r))
+        ev = Event(r.tag, r.index, r.sample, delta, list(toks), self._logprobs(s), True,
+                   r.finish_reason, r.error, s.detok.text, list(r.output_ids), s.logprobs, usage,
+                   r.matched_stop, self._prompt_logprobs(r))
+        p = r.params
+        if p.tools and r.finish_reason != "error":
+            ev.content, ev.tool_calls = tools.parse(s.detok.text, self.tool_format, p.tools, p.effective_tool_choice)
+        return ev
 
     def _emit(self, ev: Event, sink: Sink | None) -> None:
         (sink or self.outbox.append)(ev)

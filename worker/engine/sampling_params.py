@@ -13,6 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from . import tools
+from .tools import MAX_TOOLS, NamedChoice, Tool, ToolChoice
+
 MAX_TOKENS = 1 << 20  # bound of every token count; the service sets lower limits (FANOUT_MAX_*)
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -65,6 +68,14 @@ class SamplingParams(BaseModel):
     regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description=(
         "the output matches this regular expression in full (Rust regex syntax)"))
     choice: list[Choice] = Field([], max_length=MAX_CHOICES, description="the output is one of these strings")
+    # Tool calling (tools.py): chat items only.
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description=(
+        "functions the model may call: rendered by the chat template; the calls come back "
+        "parsed (`tool_calls`)"))
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "none, auto (the default with tools: the model's own format, parsed), required (one "
+        "or more calls, decoded under their schemas) or {type: function, function: {name}}"))
+    parallel_tool_calls: bool = Field(True, description="more than one call in an answer (required / auto)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -85,13 +96,7 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"not JSON: {e}") from None
             if not isinstance(obj, dict):
                 raise ValueError("must be a JSON object")
-        elif len(_canonical(v)) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters as JSON")
-        loop = _ref_loop(json.loads(v) if isinstance(v, str) else v)
-        if loop is not None:
-            raise ValueError(f"$ref {loop!r} leads back to itself through references alone: no value "
-                             "can match it")
-        _check_grammar("json_schema", _canonical(v))
+        _check_schema(json.loads(v) if isinstance(v, str) else v)
         return v
 
     @field_validator("regex")
@@ -115,6 +120,16 @@ class SamplingParams(BaseModel):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         given = [f for f in GRAMMAR_FIELDS if getattr(self, f) not in (None, False, [])]
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        if self.tools and len({t.function.name for t in self.tools}) < len(self.tools):
+            raise ValueError("tools: two functions have the same name")
+        if self.tool_schema is not None:
+            given.append("tool_choice")
+            _check_schema(self.tool_schema)
         if len(given) > 1:
             raise ValueError(f"{', '.join(given)}: give at most one")
         if given and self.min_new_tokens:
@@ -127,12 +142,28 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def effective_tool_choice(self):
+        """tool_choice as it applies: auto when tools are given without one, else none."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tool_schema(self) -> dict | None:
+        """The output's schema under tool_choice required / a named function (tools.py)."""
+        if not self.tools:
+            return None
+        return tools.schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+
+    @property
     def grammar(self) -> tuple[str, str] | None:
         """The output constraint as (kind, canonical text), the key of the engine's compile
         cache: ("json_schema", compact JSON text; json_object is the schema of any object),
         ("regex", the regex) or ("choice", the choices as a JSON list); None without one."""
         if self.json_schema is not None:
             return "json_schema", _canonical(self.json_schema)
+        if (calls := self.tool_schema) is not None:
+            return "json_schema", _canonical(calls)
         if self.json_object:
             return "json_schema", '{"type":"object"}'
         if self.regex is not None:
@@ -144,6 +175,18 @@ class SamplingParams(BaseModel):
     def copy(self, **changes) -> "SamplingParams":
         """A validated copy with some fields changed."""
         return SamplingParams.model_validate({**self.model_dump(), **changes})
+
+
+def _check_schema(schema: dict) -> None:
+    """ValueError unless `schema` is a JSON Schema the grammar libraries compile (json_schema,
+    or the one tool calls are decoded under)."""
+    if len(_canonical(schema)) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"over {MAX_GRAMMAR_CHARS} characters as JSON")
+    loop = _ref_loop(schema)
+    if loop is not None:
+        raise ValueError(f"$ref {loop!r} leads back to itself through references alone: no value "
+                         "can match it")
+    _check_grammar("json_schema", _canonical(schema))
 
 
 def _canonical(schema: dict | str) -> str:

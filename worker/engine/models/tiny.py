@@ -15,10 +15,18 @@ import sysconfig
 import torch
 
 STAMP = "fanout_tiny.json"
-FORMAT = 1  # bump when the builder's output changes, so old folders are rebuilt
+FORMAT = 2  # bump when the builder's output changes, so old folders are rebuilt
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# "<|bos|><|role|>\ncontent<|eos|>\n...<|assistant|>\n", with tools in the Hermes form (as
+# Qwen2.5's): the functions in a system turn, calls as <tool_call>{"name", "arguments"}</tool_call>.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{{ bos_token }}{% if tools %}<|system|>\n# Tools\nCall a function as <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call>. The functions:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools>{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined %}{% for c in m['tool_calls'] %}<tool_call>{\"name\": "
+    "{{ c['function']['name'] | tojson }}, \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 IMAGE = "<image>"
