@@ -123,6 +123,6 @@ def test_formats_are_told_from_templates_and_bad_choices_are_refused():
                      ({"tools": TOOLS + TOOLS[:1]}, "same name"),
                      ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "give at most one"),
                      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-                       "tool_choice": "required"}, "")]:
+                       "tool_choice": "required"}, "tools: a function's parameters: .*nope")]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**bad)

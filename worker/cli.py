@@ -23,6 +23,7 @@ import typing
 from typing import Any
 
 import httpx
+import pydantic
 import redis
 
 from api import batchfile, tenants
@@ -326,7 +327,9 @@ def _sampling_flags(p) -> None:
         default = f.get_default(call_default_factory=True)
         help_ = f"{f.description} (default: {json.dumps(default)})"
         kind = _scalar(f.annotation)
-        if kind is bool:
+        if kind is None:  # tools, tool_choice: structured values
+            g.add_argument(flag, type=_json_or_text, default=None, help=help_ + " (as JSON)")
+        elif kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(f.annotation) is list:
             g.add_argument(flag, type=kind, action="append", default=None, help=help_ + "; repeatable")
@@ -334,11 +337,22 @@ def _sampling_flags(p) -> None:
             g.add_argument(flag, type=kind, default=None, help=help_)
 
 
-def _scalar(t) -> type:
-    """int for int, int | None, list[Annotated[int, ...]]; likewise float, str, bool."""
+def _scalar(t) -> type | None:
+    """int for int, int | None, list[Annotated[int, ...]]; likewise float, str, bool; None for
+    a value with structure (objects, literals)."""
     while typing.get_origin(t) is not None or not isinstance(t, type):
+        if typing.get_origin(t) is typing.Literal:
+            return None
         t = next(a for a in typing.get_args(t) if a is not type(None))
-    return t
+    return None if issubclass(t, pydantic.BaseModel) else t
+
+
+def _json_or_text(v: str):
+    """A flag's JSON value; a bare word (`auto`) as the string it is."""
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
 
 
 def _engine_flag(f: dataclasses.Field, hint) -> tuple[str, dict[str, Any]]:

@@ -134,7 +134,7 @@ class ToolCall(Strict):
 
 class Message(Strict):
     role: Role
-    content: content_type() | None = Field(description=(
+    content: content_type() | None = Field(None, description=(
         "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
         "(data URLs; images need a model that takes them); null only in an assistant message "
         "with tool_calls"))

@@ -89,7 +89,7 @@ class ChatImagePart(ImagePart):
 class ChatMessage(Message):
     """A request's message: the job's Message (tool calls and all) whose image parts may
     carry `detail`."""
-    content: content_type(ChatImagePart) | None = Field(description=(
+    content: content_type(ChatImagePart) | None = Field(None, description=(
         "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
         "takes images); null only in an assistant message with tool_calls"))
 
@@ -177,8 +177,14 @@ def sampling_params(req: Request, settings: Settings) -> SamplingParams:
         p = SamplingParams(**given)
     except ValidationError as e:
         err = e.errors()[0]
-        name = named(err["loc"][0]) if err["loc"] else None
-        raise OpenAIError(400, f"{name + ': ' if name else ''}{err['msg']}", param=name, code="invalid_value") from None
+        if err["loc"]:
+            name = named(err["loc"][0])
+            raise OpenAIError(400, f"{name}: {err['msg']}", param=name, code="invalid_value") from None
+        # A check across fields: its message starts with the field it is about.
+        msg = err["msg"].removeprefix("Value error, ")
+        field = msg.partition(":")[0]
+        name = named(field) if field in SamplingParams.model_fields else None
+        raise OpenAIError(400, msg, param=name, code="invalid_value") from None
     if isinstance(req, CompletionRequest) and req.echo and req.stream:
         raise OpenAIError(400, "echo: not with stream: true (the prompt's logprobs come with the whole "
                                "sample); ask without stream", param="echo", code="unsupported_parameter")

@@ -129,7 +129,10 @@ class SamplingParams(BaseModel):
             raise ValueError("tools: two functions have the same name")
         if self.tool_schema is not None:
             given.append("tool_choice")
-            _check_schema(self.tool_schema)
+            try:
+                _check_schema(self.tool_schema)
+            except ValueError as e:
+                raise ValueError(f"tools: a function's parameters: {e}") from None
         if len(given) > 1:
             raise ValueError(f"{', '.join(given)}: give at most one")
         if given and self.min_new_tokens:
