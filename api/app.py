@@ -27,7 +27,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from worker.settings import Settings
 
-from . import auth, metrics, streams, tenants, tokenize
+from . import auth, metrics, openapi, streams, tenants, tokenize
 from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
@@ -85,10 +85,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Fanout", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Batch text generation: submit a job, follow its stream, fetch results.")
     # Every router goes in with auth.authenticate: its routes need a key once keys exist.
-    app.include_router(router, dependencies=[Depends(auth.authenticate)],
+    app.include_router(router, dependencies=[Depends(auth.authenticate)], tags=["jobs"],
                        responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(openai_router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
-    app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
+    app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS,
+                       tags=["tokenizer"])
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
     @app.get("/docs", include_in_schema=False)
@@ -158,8 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return OpenAIError(500, message, type="server_error").response()
         return JSONResponse({"detail": message}, status_code=500)
 
-    @app.get("/healthz", response_model=Health, responses=UNAVAILABLE)
-    @app.get("/health", response_model=Health, responses=UNAVAILABLE)  # vLLM's and SGLang's name
+    @app.get("/healthz", response_model=Health, responses=UNAVAILABLE, tags=["admin"])
+    @app.get("/health", response_model=Health, responses=UNAVAILABLE, tags=["admin"])  # vLLM's and SGLang's name
     def healthz(request: Request):
         """Liveness: the API is up and reaches Redis."""
         try:
@@ -169,7 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 status_code=503)
         return {"status": "ok", "redis": "ok"}
 
-    @app.get("/version", response_model=Version)
+    @app.get("/version", response_model=Version, tags=["admin"])
     def version():
         """This server's version (vLLM's and SGLang's route)."""
         return {"version": app.version}
@@ -179,6 +180,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Prometheus text exposition; open like /healthz (see api/metrics.py)."""
         return Response(metrics.exposition(request.app.state.redis), media_type=CONTENT_TYPE_LATEST)
 
+    # The schema with the configured limits and runnable examples (api/openapi.py).
+    app.openapi = lambda: openapi.build(app, settings, getattr(app.state, "redis", None))
     # Added last, so outermost: it counts every answer, those of the middleware above too.
     app.add_middleware(metrics.RequestMetrics, openapi=app.openapi)
     return app

@@ -6,5 +6,6 @@ from fastapi import APIRouter
 from . import batches, completions, files, models
 
 router = APIRouter(prefix="/v1")
-for module in (models, completions, files, batches):
-    router.include_router(module.router)
+for module, tag in ((models, "OpenAI"), (completions, "OpenAI"), (files, "OpenAI files and batches"),
+                    (batches, "OpenAI files and batches")):
+    router.include_router(module.router, tags=[tag])

@@ -28,7 +28,7 @@ from worker.settings import Settings
 from .. import jobs
 from ..tenants import OverLimit
 from . import batchinput, bodies, files, models
-from .errors import ErrorOut, OpenAIError, from_validation, not_found
+from .errors import OpenAIErrorResponse, OpenAIError, from_validation, not_found
 from .schemas import Batch, BatchCreate, BatchList
 
 log = logging.getLogger("fanout.api")
@@ -214,7 +214,7 @@ def list_batches(request: Request, after: str | None = Query(None), limit: int =
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=Batch, responses={
-    409: {"model": ErrorOut, "description": "the batch has ended"}})
+    409: {"model": OpenAIErrorResponse, "description": "the batch has ended"}})
 def cancel(batch_id: str, request: Request):
     """`cancelling` until the job has stopped, then `cancelled`; finished lines are kept."""
     st = request.app.state

@@ -20,12 +20,12 @@ from results.reader import Rebuilder
 from .. import jobs, streams, submit, tokenize
 from ..schemas import JobRequest
 from . import bodies, models
-from .errors import ErrorOut, OpenAIError
+from .errors import OpenAIErrorResponse, OpenAIError
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
 
 router = APIRouter()
 
-FAILED = {500: {"model": ErrorOut, "description": "the job failed (or was canceled through the job API)"}}
+FAILED = {500: {"model": OpenAIErrorResponse, "description": "the job failed (or was canceled through the job API)"}}
 
 
 def _ok(model) -> dict:

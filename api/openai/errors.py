@@ -31,11 +31,11 @@ class ErrorBody(BaseModel):
     code: str | None
 
 
-class ErrorOut(BaseModel):
+class OpenAIErrorResponse(BaseModel):
     error: ErrorBody
 
 
-RESPONSES = {status: {"model": ErrorOut, "description": what} for status, what in (
+RESPONSES = {status: {"model": OpenAIErrorResponse, "description": what} for status, what in (
     (400, "invalid request (`param` names the field)"), (401, "missing or invalid API key"),
     (403, "not allowed for this API key"), (404, "unknown id or model"),
     (429, "over one of this API key's limits"), (503, "Redis is unavailable (try again)"))}
@@ -56,7 +56,10 @@ class OpenAIError(Exception):
 
 
 def is_openai(path: str) -> bool:
-    return path.startswith(PATHS)
+    """An OpenAI route's path, or a path under /v1 that is no route (a client of OpenAI's API
+    that asks for what we lack reads OpenAI's error); the native job API's own are not."""
+    return path.startswith(PATHS) or (path.startswith("/v1/") and not path.startswith(("/v1/jobs/", "/v1/jobs?"))
+                                       and path != "/v1/jobs")
 
 
 def not_found(what: str, id: str, code: str | None = None) -> OpenAIError:

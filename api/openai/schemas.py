@@ -213,18 +213,18 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
-class TopLogprob(BaseModel):
+class ChatTopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None
 
 
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
+    content: list[ChatTokenLogprob] | None
     refusal: None = None
 
 
@@ -239,7 +239,7 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -280,7 +280,7 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
     system_fingerprint: None = None
 
 
@@ -299,7 +299,7 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage
+    usage: CompletionUsage
     system_fingerprint: None = None
 
 

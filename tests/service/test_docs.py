@@ -34,3 +34,39 @@ def test_swagger_ui_is_served_by_the_api(api_url):
         assert http.get(spec_url).json()["info"]["title"] == "Fanout"
         # ReDoc is not offered (its page would load from a CDN).
         assert http.get("/redoc").status_code == 404
+
+
+def test_every_request_example_runs_as_shown_and_the_bounds_are_the_servers(api_url, worker):
+    """Swagger's "Try it out" posts the example as it is: each one answers 2xx (the batch's
+    needs a file id first: it gets the one it names, an uploaded file's); the advertised
+    bounds are the configured limits (conftest: FANOUT_MAX_N=8, FANOUT_MAX_NEW_TOKENS=1000,
+    FANOUT_MAX_BATCH=64)."""
+    spec = httpx.get(f"{api_url}/openapi.json", timeout=10).json()
+    ran = []
+    for path, ops in spec["paths"].items():
+        body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if body is None:
+            continue
+        example = body["example"]  # every JSON body has one
+        if path == "/v1/batches":
+            upload = httpx.post(f"{api_url}/v1/files", data={"purpose": "batch"}, timeout=30, files={
+                "file": ("in.jsonl", b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+                                     b'"body": {"model": "llama", "messages": [{"role": "user", "content": "hi"}], '
+                                     b'"max_tokens": 2}}\n')})
+            example = {**example, "input_file_id": upload.json()["id"]}
+        r = httpx.post(f"{api_url}{path}", json=example, timeout=60)
+        assert r.status_code < 300, (path, example, r.text)
+        ran.append(path)
+    assert sorted(ran) == ["/detokenize", "/tokenize", "/v1/batches", "/v1/chat/completions", "/v1/completions",
+                           "/v1/jobs"]
+    schemas = spec["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["max_tokens"]["anyOf"][0]["maximum"] == 1000 and chat["n"]["anyOf"][0]["maximum"] == 8
+    assert schemas["SamplingParams"]["properties"]["n"]["maximum"] == 8
+    assert schemas["JobRequest"]["properties"]["prompts"]["anyOf"][0]["maxItems"] == 64
+    assert not [name for name in schemas if "__" in name]  # readable names, one per model
+    tags = {t for ops in spec["paths"].values() for op in ops.values() for t in op.get("tags", [])}
+    assert tags == {"jobs", "OpenAI", "OpenAI files and batches", "tokenizer", "admin"}
+    for method, path in (("get", "/v1/nothing"), ("delete", "/v1/chat/completions")):
+        r = httpx.request(method, f"{api_url}{path}", timeout=10)
+        assert r.status_code in (404, 405) and set(r.json()["error"]) == {"message", "type", "param", "code"}
