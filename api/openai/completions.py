@@ -79,7 +79,7 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
         await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
     may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
     job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal",
-                     metadata={"user": req.user} if req.user else {})
+                     metadata={**(req.metadata or {}), **({"user": req.user} if req.user else {})})
     # The stream is followed before the job exists: past FANOUT_MAX_STREAMS no job is made.
     job_id = jobs.new_id()
     follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))

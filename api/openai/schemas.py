@@ -76,6 +76,16 @@ class Request(Strict):
     response_format: ResponseFormat | None = Field(None, description=(
         "json_object or json_schema: the output's grammar (see also the regex and choice extensions)"))
     user: str | None = Field(None, max_length=512, description="kept in the job's metadata as `user`")
+    # Accepted and without effect on the output (NO_OPS): what clients send by default.
+    store: bool | None = Field(None, description="no effect: nothing is kept for OpenAI's evals or distillation "
+                                                 "(the job's results expire as every job's)")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="no effect: one tier (interactive requests already pass batch work)")
+    safety_identifier: str | None = Field(None, max_length=512, description="no effect")
+    prompt_cache_key: str | None = Field(None, max_length=512, description=(
+        "no effect: the radix cache finds shared prefixes by their tokens"))
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=15, description=(
+        "kept in the job's metadata (15 pairs: `user` may take the 16th)"))
 
 
 class ChatImageURL(ImageURL):

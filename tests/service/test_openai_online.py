@@ -184,3 +184,16 @@ def test_tokenize_and_detokenize_give_the_engines_ids(api_url, worker, engine):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     both = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "x", "messages": chat})
     assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+
+
+def test_fields_clients_send_by_default_are_accepted_and_change_nothing(oai, api_url):
+    plain = oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=6, temperature=0)
+    extra = oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=6, temperature=0, store=False,
+                                        service_tier="auto", safety_identifier="u-1", prompt_cache_key="k",
+                                        metadata={"run": "nightly"}, user="alice")
+    assert extra.choices[0].message.content == plain.choices[0].message.content
+    job = httpx.get(f"{api_url}/v1/jobs/{extra.id.removeprefix('chatcmpl-')}", timeout=10).json()
+    assert job["metadata"] == {"run": "nightly", "user": "alice"}
+    with pytest.raises(openai.BadRequestError) as e:  # it would change the output: refused, not ignored
+        oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=2, logit_bias={"5": 1})
+    assert e.value.param == "logit_bias"
