@@ -1,8 +1,8 @@
 """JSONL batch files, the input of `fanout submit`, `fanout generate` and cron entries.
 
 One item per line: {"prompt": "..."} | {"input_ids": [...]} | {"messages": [...]}, with an
-optional per-item "sampling_params" object; a bare JSON string is a prompt. Every line of
-a file uses the same input field.
+optional per-item "sampling_params" object and "custom_id" (returned with the item's
+results); a bare JSON string is a prompt. Every line of a file uses the same input field.
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ class BatchFileError(ValueError):
     pass
 
 
-def read(path: str) -> tuple[str, list, list[dict | None]]:
-    """(kind: prompts / input_ids / messages, items, per-line sampling params or None)."""
-    kind, items, params = None, [], []
+def read(path: str) -> tuple[str, list, list[dict | None], list[str | None]]:
+    """(kind: prompts / input_ids / messages, items, per-line sampling params or None,
+    per-line custom ids or None)."""
+    kind, items, params, custom = None, [], [], []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -37,14 +38,16 @@ def read(path: str) -> tuple[str, list, list[dict | None]]:
             kind = FIELDS[given[0]]
             items.append(obj[given[0]])
             params.append(obj.get("sampling_params"))
+            custom.append(obj.get("custom_id"))
     if not items:
         raise BatchFileError(f"{path}: no items")
-    return kind, items, params
+    return kind, items, params, custom
 
 
 def job_body(path: str, sampling_params: dict[str, Any] | None = None, **fields) -> dict[str, Any]:
     """A POST /v1/jobs body: the file's items; per-line sampling params override the shared ones."""
-    kind, items, per_line = read(path)
+    kind, items, per_line, custom = read(path)
     base = sampling_params or {}
     sp: Any = [{**base, **(p or {})} for p in per_line] if any(per_line) else base
-    return {kind: items, "sampling_params": sp, **fields}
+    ids = {"custom_ids": custom} if any(c is not None for c in custom) else {}
+    return {kind: items, "sampling_params": sp, **ids, **fields}

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -126,11 +127,14 @@ def worker_name() -> str:
 
 
 def served_name(model: str) -> str:
-    """A Hub id as it is; a local folder or .gguf file by its name."""
+    """A Hub id as it is; a local folder by its name; a .gguf file by its name without the
+    quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct)."""
     if not os.path.exists(model):
         return model
     name = os.path.basename(os.path.normpath(model))
-    return name.removesuffix(".gguf")
+    if not name.endswith(".gguf"):
+        return name
+    return re.sub(r"[.-](I?Q\d\w*|BF16|FP?16|FP?32)$", "", name.removesuffix(".gguf"), flags=re.I) or name
 
 
 def cmd_worker(args) -> None:
@@ -252,11 +256,20 @@ def cmd_status(args) -> None:
         print(json.dumps(c.status(args.id), indent=2))
 
 
+NOT_FINISHED = 3  # exit status of `fanout results` on a job that has not ended
+
+
 def cmd_results(args) -> None:
     from results.client import Client
 
     with Client(args.url, api_key=args.api_key) as c:
+        info = c.status(args.id)
         _write_items(c.results(args.id), args.out)
+    if info["status"] not in events.TERMINAL:  # partial: say so, and exit so that scripts notice
+        p = info["progress"]
+        print(f"fanout results: job {args.id} is {info['status']}: {p['done']} of {p['total']} items "
+              "finished; the samples written are those finished so far", file=sys.stderr)
+        raise SystemExit(NOT_FINISHED)
 
 
 def cmd_cancel(args) -> None:
@@ -305,15 +318,21 @@ def cmd_generate(args) -> None:
             left[ev.index] -= 1
             if left[ev.index] == 0:
                 bar.update(1)
-        bar.set_postfix_str(f"{tokens / max(time.monotonic() - t0, 1e-9):.0f} tok/s", refresh=False)
+        bar.set_postfix_str(f"{_rate(tokens, time.monotonic() - t0)} tok/s", refresh=False)
     bar.close()
     with open(args.output, "w") as f:
         for i in range(len(items)):
             out = [{"sample": j, **s} for j, s in sorted(samples[i].items())]
-            f.write(json.dumps({"index": i, "samples": out}, ensure_ascii=False) + "\n")
+            f.write(json.dumps({"index": i, "custom_id": spec.custom_id(i), "samples": out},
+                               ensure_ascii=False) + "\n")
     dt = time.monotonic() - t0
-    print(f"{len(items)} items, {tokens} tokens in {dt:.1f}s ({tokens / max(dt, 1e-9):.0f} tok/s) "
+    print(f"{len(items)} items, {tokens} tokens in {dt:.1f}s ({_rate(tokens, dt)} tok/s) "
           f"-> {args.output}", file=sys.stderr)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    """Tokens per second to three figures: a slow run reads 0.25, not 0."""
+    return f"{tokens / max(seconds, 1e-9):.3g}"
 
 
 # -- argument parsing ------------------------------------------------------------------------

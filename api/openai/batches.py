@@ -290,8 +290,10 @@ def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None, 
     ending, job_id = record["_ending"], _job_id(batch_id)
     output, errors, usage = _lines(redis, record, ending, lease)
     done = {"status": ending, f"{ending}_at": int(time.time()),
+            # Every line is counted once: answered, or in the error file (failed, or not run
+            # because the batch was cancelled or expired first).
             "request_counts": {"total": record["request_counts"]["total"], "completed": len(output),
-                               "failed": sum(1 for e in errors if e["response"])},
+                               "failed": len(errors)},
             "usage": {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                       "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},

@@ -16,6 +16,7 @@ from api import batchfile, cron, jobs
 from worker.settings import Settings
 from results import reader
 from results.client import Client
+from worker import cli
 from worker.cli import main, parser
 from worker.redis_server import EmbeddedRedis, free_port
 from worker.engine import SamplingParams
@@ -29,8 +30,9 @@ def write_lines(path, lines):
 
 
 def test_batch_file_errors_name_the_line(tmp_path):
-    assert batchfile.read(write_lines(tmp_path / "ok.jsonl", ["a", {"prompt": "b", "sampling_params": {"n": 2}}])) \
-        == ("prompts", ["a", "b"], [None, {"n": 2}])
+    assert batchfile.read(write_lines(tmp_path / "ok.jsonl", ["a", {"prompt": "b", "sampling_params": {"n": 2},
+                                                                    "custom_id": "q-b"}])) \
+        == ("prompts", ["a", "b"], [None, {"n": 2}], [None, "q-b"])
     with pytest.raises(batchfile.BatchFileError, match=r"bad.jsonl:2: every line must use the same field"):
         batchfile.read(write_lines(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"input_ids": [1]}]))
     with pytest.raises(batchfile.BatchFileError, match=r"two.jsonl:1: give exactly one"):
@@ -38,18 +40,20 @@ def test_batch_file_errors_name_the_line(tmp_path):
 
 
 def test_generate_offline_matches_the_engine(tmp_path, model_dir, engine, capsys):
-    src = write_lines(tmp_path / "in.jsonl", [{"prompt": p} for p in ["Hello", "def f(x):", "a b c"]])
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": p, "custom_id": f"q{i}"}
+                                              for i, p in enumerate(["Hello", "def f(x):", "a b c"])])
     out = tmp_path / "out.jsonl"
     main(["generate", src, str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "6",
           "--n", "2", "--temperature", "0.9", "--seed", "3"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     want = engine.generate(prompts=["Hello", "def f(x):", "a b c"],
                            sampling_params=SamplingParams(max_new_tokens=6, n=2, temperature=0.9, seed=3))
-    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert [(r["index"], r["custom_id"]) for r in rows] == [(0, "q0"), (1, "q1"), (2, "q2")]
     assert [[s["token_ids"] for s in r["samples"]] for r in rows] == \
         [[s.token_ids for s in it.samples] for it in want]
     err = capsys.readouterr().err
     assert "tok/s" in err and "3/3" in err  # the progress bar: items done and throughput
+    assert cli._rate(5, 20.0) == "0.25" and cli._rate(123456, 1.0) == "1.23e+05"
 
 
 def test_submit_status_results(tmp_path, api_url, worker, capsys):
@@ -66,6 +70,25 @@ def test_submit_status_results(tmp_path, api_url, worker, capsys):
     assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
     main(["results", job_id, "--url", api_url])
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == items
+    # A job still running: what has finished, and a warning and an exit status that say so.
+    slow = write_lines(tmp_path / "slow.jsonl", [{"prompt": "slow"}])
+    main(["submit", slow, "--url", api_url, "--max-new-tokens", "900", "--ignore-eos", "--no-wait"])
+    running = json.loads(capsys.readouterr().out)["id"]
+    with pytest.raises(SystemExit) as e:
+        main(["results", running, "--url", api_url])
+    assert e.value.code == cli.NOT_FINISHED
+    captured = capsys.readouterr()
+    assert "0 of 1 items finished" in captured.err and json.loads(captured.out)["samples"] == []
+    main(["cancel", running, "--url", api_url])
+
+
+def test_a_gguf_is_served_by_its_name_without_the_quantization(tmp_path):
+    for file, name in (("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+                       ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
+                       ("qwen2.5-0.5b-instruct-fp16.gguf", "qwen2.5-0.5b-instruct"),
+                       ("model-f16.gguf", "model"), ("plain.gguf", "plain")):
+        (tmp_path / file).write_bytes(b"")
+        assert cli.served_name(str(tmp_path / file)) == name
 
 
 def test_cron_config_submits_jobs_through_rq_cron(tmp_path, redis, redis_url, worker):

@@ -142,7 +142,8 @@ def each_line_once(oai, b, lines, code):
     assert sorted(x["custom_id"] for x in out + errors) == sorted(x["custom_id"] for x in lines)
     assert {"quick-0", "quick-1"} <= {x["custom_id"] for x in out}
     assert {x["error"]["code"] for x in errors} == {code} and all(x["response"] is None for x in errors)
-    assert b.request_counts.completed == len(out) and b.request_counts.failed == 0
+    assert b.request_counts.completed == len(out) and b.request_counts.failed == len(errors) > 0
+    assert b.request_counts.completed + b.request_counts.failed == b.request_counts.total == len(lines)
     return out
 
 
