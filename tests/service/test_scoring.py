@@ -100,3 +100,23 @@ def test_prompt_logprobs_extension_and_what_echo_cannot_do(oai, api_url, engine,
     with pytest.raises(openai.BadRequestError) as e:
         oai.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
     assert "echo" in e.value.message
+
+
+def test_batch_lines_score_with_the_prompt_logprobs_extension(oai, engine, hf):
+    import time
+
+    ids = engine.tokenizer("scored in a batch")["input_ids"]
+    line = {"custom_id": "s", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "llama", "prompt": ids, "max_tokens": 0, "prompt_logprobs": 1}}
+    f = oai.files.create(file=("score.jsonl", json.dumps(line).encode()), purpose="batch")
+    b = oai.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (b := oai.batches.retrieve(b.id)).status != "completed":
+        assert time.monotonic() < deadline and b.status in ("validating", "in_progress", "finalizing"), b
+        time.sleep(0.2)
+    (out,) = [json.loads(x) for x in oai.files.content(b.output_file_id).text.splitlines()]
+    got = out["response"]["body"]["choices"][0]["prompt_logprobs"]
+    want, top = reference(hf, ids, 1)
+    assert [r["token_id"] for r in got] == ids
+    assert max(abs(r["logprob"] - w) for r, w in zip(got[1:], want)) < TOL
+    assert [[t["token_id"] for t in r["top_logprobs"]] for r in got[1:]] == top
