@@ -134,7 +134,7 @@ class ToolCall(Strict):
 
 class Message(Strict):
     role: Role
-    content: content_type() | None = Field(None, description=(
+    content: content_type() | None = Field(description=(
         "text, or a list of parts: {type: text, text} and {type: image_url, image_url: {url}} "
         "(data URLs; images need a model that takes them); null only in an assistant message "
         "with tool_calls"))
@@ -142,6 +142,14 @@ class Message(Strict):
         None, description="an assistant's earlier calls (tool calling)")
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
         None, description="a tool message: the call it answers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_alone(cls, data):
+        """An assistant's tool calls may come without content (clients drop a null one)."""
+        if isinstance(data, dict) and data.get("tool_calls") and "content" not in data:
+            return {**data, "content": None}
+        return data
 
     @model_validator(mode="after")
     def _tool_fields(self):

@@ -99,7 +99,7 @@ class ChatImagePart(ImagePart):
 class ChatMessage(Message):
     """A request's message: the job's Message (tool calls and all) whose image parts may
     carry `detail`."""
-    content: content_type(ChatImagePart) | None = Field(None, description=(
+    content: content_type(ChatImagePart) | None = Field(description=(
         "text, or parts: text parts (joined) and image_url parts (data URLs; for a model that "
         "takes images); null only in an assistant message with tool_calls"))
 
