@@ -20,6 +20,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from results import events, keys, progress, publisher
+from results import listing as results_listing
 
 from worker import shards
 from worker.settings import Settings
@@ -74,11 +75,12 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
     if req.run_at:
         info["run_at"] = req.run_at.isoformat()
     slots = keys.inflight(tenant.id) if tenant else None
+    listed = keys.jobs(tenant.id if tenant else None)
+    info["listed"] = listed  # the status scripts move it between its listing's indexes
     if tenant:
         info.update(tenant=tenant.id, slot=slots)
     claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
     max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
-    listed = keys.jobs(tenant.id if tenant else None)
     with redis.pipeline() as pipe:
         while True:
             if claim:
@@ -110,8 +112,7 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                 pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
             # The listing: entries of expired jobs go when a listing meets them, or at this age.
             now = time.time()
-            pipe.zadd(listed, {job_id: now})
-            pipe.zremrangebyscore(listed, 0, now - settings.job_timeout - settings.result_ttl)
+            results_listing.add(pipe, listed, job_id, status, now, now - settings.job_timeout - settings.result_ttl)
             try:
                 pipe.execute()
                 break
@@ -184,33 +185,37 @@ def shard_counts(redis, job_id: str, status: str) -> dict[str, Any]:
 def listing(redis, tenant: Tenant | None, after: str | None, limit: int,
             status: str | None = None) -> tuple[list[dict[str, Any]], bool]:
     """(JobInfo bodies newest first, after the job `after` and of `status` if given, at most
-    `limit`; whether there are more). The tenant's jobs only (all in open mode). Raises
-    JobNotFound if `after` is not listed."""
-    key = keys.jobs(tenant.id if tenant else None)
-    start = 0
+    `limit`; whether there are more). The tenant's jobs only (all in open mode); with a
+    status, from its index (results/listing.py): the work is the page's, whatever the
+    number of jobs. Raises JobNotFound if `after` is not listed."""
+    listed = keys.jobs(tenant.id if tenant else None)
+    key = listed if status is None else keys.by_status(listed, status)
+    cursor = None
     if after is not None:
-        rank = redis.zrevrank(key, after)
-        if rank is None:
+        score = redis.zscore(listed, after)
+        if score is None:
             raise JobNotFound(after)
-        start = rank + 1
+        cursor = (score, after)
     found, gone = [], []
     while len(found) <= limit:
-        ids = [_text(i) for i in redis.zrevrange(key, start, start + 99)]
-        if not ids:
+        rows = results_listing.page(redis, key, cursor, limit + 1 - len(found))
+        if not rows:
             break
-        start += len(ids)
-        for job_id in ids:
+        cursor = rows[-1][1], rows[-1][0]
+        for job_id, _ in rows:
             try:
                 info = describe(redis, job_id)
             except JobNotFound:
                 gone.append(job_id)  # expired
                 continue
+            # The index moved with the status; one that changed since this page was read
+            # is left to the listing of its new status.
             if status is None or info["status"] == status:
                 found.append(info)
-                if len(found) > limit:
-                    break
-    if gone:  # after the scan: removing shifts the ranks it pages by
-        redis.zrem(key, *gone)
+    if gone:
+        redis.zrem(listed, *gone)
+        for s in results_listing.STATUSES:
+            redis.zrem(keys.by_status(listed, s), *gone)
     return found[:limit], len(found) > limit
 
 

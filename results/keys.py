@@ -59,6 +59,12 @@ def jobs(tenant: str | None) -> str:
     return f"{PREFIX}:jobs" if tenant is None else f"{PREFIX}:tenant:{tenant}:jobs"
 
 
+def by_status(listed: str, status: str) -> str:
+    """Sorted set of the jobs of listing `listed` (a keys.jobs key) whose status is `status`,
+    scored as the listing (results/listing.py; its Lua builds the same name)."""
+    return f"{listed}:{status}"
+
+
 def tokenizer(model: str) -> str:
     """Hash of a served model's tokenizer files (file name -> bytes, plus `digest`), written by
     each of its workers when it starts: the API's /tokenize and /detokenize load it."""

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from . import events, keys, progress, store
+from . import events, keys, listing, progress, store
 
 # KEYS: closed, stream, results, info, cancel, custom_ids, shards, running (all expired),
 # items (deleted: the input is not needed once the job ended).
-# ARGV: ttl, status, ended_at, field, value, ...
+# ARGV: ttl, status, ended_at, job id, field, value, ...
 # A succeeded job has no error: an earlier attempt's (reaped, retried) stays in the stream.
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
 # counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
-_CLOSE = """
+_CLOSE = listing.SET_STATE + """
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+set_state(KEYS[4], ARGV[4], ARGV[2])
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 local slot = redis.call('HGET', KEYS[4], 'slot')
 if slot then redis.call('DECR', slot) end
 redis.call('HSET', KEYS[4], 'ended_at', ARGV[3])
@@ -121,7 +122,7 @@ class Batch:
 
 def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     fields = events.status(status, **extra)
-    argv = [ttl, status, progress.timestamp()]
+    argv = [ttl, status, progress.timestamp(), job_id]
     argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
           keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),

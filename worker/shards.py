@@ -43,7 +43,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import as_text
 
-from results import events, keys, progress, publisher, store
+from results import events, keys, listing, progress, publisher, store
 
 from .settings import Settings
 from .spec import JOB_FUNC, QUEUES, JobSpec, plan
@@ -53,12 +53,14 @@ RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
 
 # Claim bookkeeping on the job's info hash, in the claim's transaction: the job's attempt
 # count (1 + the retries of its shards), its start time, and `running` on the stream when
-# it was not running. KEYS: info, stream. ARGV: this claim's number for its shard, now.
-_STARTED = """
+# it was not running (and its status index: results/listing.py). KEYS: info, stream. ARGV:
+# this claim's number for its shard, now, the job id.
+_STARTED = listing.SET_STATE + """
 local old = redis.call('HGET', KEYS[1], 'state')
 local n = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
 if tonumber(ARGV[1]) > 1 then n = n + 1 elseif n < 1 then n = 1 end
-redis.call('HSET', KEYS[1], 'attempt', n, 'state', 'running')
+redis.call('HSET', KEYS[1], 'attempt', n)
+set_state(KEYS[1], ARGV[3], 'running')
 redis.call('HSETNX', KEYS[1], 'started_at', ARGV[2])
 if old ~= 'running' then redis.call('XADD', KEYS[2], '*', 'type', 'status', 'status', 'running') end
 return n
@@ -249,7 +251,8 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                                               "stored": len(stored)}))
                 pipe.hincrby(counters, f"claims:{k}", 1)
                 pipe.xadd(keys.stream(job_id), events.attempt(attempt, worker, k, lo, hi))
-                pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, progress.timestamp())
+                pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, progress.timestamp(),
+                          job_id)
                 _release(redis, pipe, job_id, c, running + 1, info["priority"], job.timeout)
                 pipe.execute()
             break
@@ -346,7 +349,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                     if why:
                         batch.info(job_id, error=why)
                     if running == 0 and not closed:
-                        pipe.hset(keys.info(job_id), "state", "queued")
+                        listing.set_state(pipe, job_id, "queued")
                         batch.status(job_id, "queued", error=why)
                 else:
                     pipe.delete(job.key)

@@ -1,5 +1,6 @@
 """Issue 10 on the native API: items' custom_id on results and stream entries, GET /v1/jobs,
 and the model that ran a job. Real API, worker and Redis."""
+import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
@@ -58,3 +59,46 @@ def test_jobs_are_listed_newest_first_with_a_cursor_and_a_status_filter(http):
         with httpx.Client(base_url=str(http.base_url), timeout=10) as fresh:
             for job_id in ids:
                 fresh.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_each_status_lists_from_its_index_through_every_change(http, worker, redis):
+    """A job is in the index of its status and no other, from its submit to its end (queued,
+    scheduled, running, succeeded, canceled); a status's pages are newest first, each job
+    once, also when jobs change status between pages."""
+    from results import keys
+
+    def listed(status, limit=100):
+        out, after = [], None
+        while True:
+            page = http.get("/v1/jobs", params={"status": status, "limit": limit,
+                                                **({"after": after} if after else {})}).json()
+            out += [j["id"] for j in page["data"]]
+            if not page["has_more"]:
+                return out
+            after = page["last_id"]
+
+    def indexed(job_id):
+        return [s for s in ("queued", "scheduled", "running", "succeeded", "failed", "canceled")
+                if redis.zscore(keys.by_status(keys.jobs(None), s), job_id) is not None]
+
+    later = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+    scheduled = http.post("/v1/jobs", json={"prompts": ["x"], "run_at": later}).json()["id"]
+    slow = http.post("/v1/jobs", json={"prompts": ["y"], "sampling_params": {"max_new_tokens": 900,
+                                                                              "ignore_eos": True}}).json()["id"]
+    quick = [http.post("/v1/jobs", json={"prompts": [f"q{i}"], "sampling_params": {"max_new_tokens": 2}}).json()["id"]
+             for i in range(5)]
+    assert indexed(scheduled) == ["scheduled"]
+    deadline = time.monotonic() + 60
+    while indexed(slow) != ["running"] or any(indexed(q) != ["succeeded"] for q in quick):
+        assert time.monotonic() < deadline, (indexed(slow), [indexed(q) for q in quick])
+        time.sleep(0.05)
+    done = listed("succeeded", limit=2)  # pages of two
+    assert [q for q in done if q in quick] == quick[::-1] and len(done) == len(set(done))
+    assert slow in listed("running") and scheduled in listed("scheduled")
+    http.post(f"/v1/jobs/{slow}/cancel")
+    http.post(f"/v1/jobs/{scheduled}/cancel")
+    while indexed(slow) != ["canceled"]:
+        assert time.monotonic() < deadline, indexed(slow)
+        time.sleep(0.05)
+    assert indexed(scheduled) == ["canceled"]
+    assert {slow, scheduled} <= set(listed("canceled")) and slow not in listed("running")
