@@ -30,6 +30,7 @@ from api.schemas import JobRequest  # noqa: E402
 from results import keys, listing  # noqa: E402
 from worker.redis_server import EmbeddedRedis  # noqa: E402
 from worker.settings import Settings  # noqa: E402
+from bench.out_file import save  # noqa: E402
 
 
 def scan(r, status: str, limit: int) -> list[str]:
@@ -86,9 +87,7 @@ def main() -> None:
     finally:
         server.stop()
     print(json.dumps(out, indent=2))
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "listing.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    save("listing", out)
 
 
 if __name__ == "__main__":

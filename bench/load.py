@@ -32,6 +32,7 @@ import redis  # noqa: E402
 from results import reader  # noqa: E402
 from service import prompts, spawn, wait  # noqa: E402  (bench/service.py)
 from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from bench.out_file import save  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -137,9 +138,7 @@ def main() -> None:
                     "all_done_s": all_s,
                     "get_p50_ms": pct(get_lat, 0.5) * 1000, "get_p99_ms": pct(get_lat, 0.99) * 1000})
     print(json.dumps(out, indent=2))
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "load.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    save("load", out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ items). Results: stdout and bench/out/prefix_cache.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -26,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 from worker.engine import Engine, SamplingParams  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model  # noqa: E402
+from bench.out_file import save  # noqa: E402
 
 
 def run(model: str, prompts: list[list[int]], cache: bool, kv_tokens: int | None) -> dict:
@@ -62,9 +62,7 @@ def main() -> None:
               f"{pairs[-1]['ratio']:.2f}; heap entries looked at by eviction {on['evict_pops']}", flush=True)
     out = {"items": args.items, "kv_tokens": args.kv_tokens, "pairs": pairs,
            "median_ratio": statistics.median(p["ratio"] for p in pairs)}
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "prefix_cache.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    save("prefix_cache", out)
     print(f"cache on / off: {out['median_ratio']:.2f} (target <= 1.2)")
 
 

@@ -17,7 +17,6 @@ Redis is REDIS_URL if set, else an embedded server. Results: stdout and bench/ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -35,6 +34,7 @@ import redis  # noqa: E402
 
 from results.client import Client  # noqa: E402
 from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from bench.out_file import save  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this "
          "data model token batch queue worker stream result prompt sample seed cache kernel page").split()
@@ -185,9 +185,7 @@ def main() -> None:
            "delta_interval": args.delta_interval,
            "max_new_tokens": args.max_new_tokens, "engine": eng, "service": service,
            "service_over_engine": ratio, "per_run_ratios": pairs, "latency": latency, "intake": intake}
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "service.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    save("service", out)
     print(f"service keeps {ratio:.1%} of the engine's throughput (target >= 90%)")
 
 

@@ -41,6 +41,7 @@ from service import prompts, spawn, wait  # noqa: E402
 
 from results import events, keys  # noqa: E402
 from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from bench.out_file import save  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -243,9 +244,7 @@ def main() -> None:
                 p.wait(60)
         conn.close()
         server.stop()
-    os.makedirs(os.path.join(ROOT, "bench", "out"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "shards.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    save("shards", out)
     print(f"one job / two jobs: {out['scaling']['median_ratio']:.2f} (target <= 1.2); batches "
           f"{out['batches']['median_ratio']:.2f}")
 
