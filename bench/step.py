@@ -5,7 +5,7 @@
     python bench/step.py --batches 8,64 --tokens 48
 
 Each batch size runs that many distinct prompts (~100 tokens) to --tokens new tokens (greedy,
-then sampled at T=0.8 with top_p 0.95), timing the engine's parts by wrapping them in this
+then sampled at T=0.8, then at T=0.8 with top_p 0.95), timing the engine's parts by wrapping them in this
 process (the engine is not changed for it). Only steps that decode every running request one
 token are counted (no prefill in them). Parts:
 
@@ -113,8 +113,9 @@ def main() -> None:
     out = []
     for batch in (int(b) for b in args.batches.split(",")):
         for name, sp in (("greedy", SamplingParams(max_new_tokens=args.tokens, temperature=0, ignore_eos=True)),
-                         ("sampled", SamplingParams(max_new_tokens=args.tokens, temperature=0.8, top_p=0.95,
-                                                    ignore_eos=True))):
+                         ("T=0.8", SamplingParams(max_new_tokens=args.tokens, temperature=0.8, ignore_eos=True)),
+                         ("top_p", SamplingParams(max_new_tokens=args.tokens, temperature=0.8, top_p=0.95,
+                                                  ignore_eos=True))):
             row = {"sampling": name, **measure(engine, timer, batch, args.tokens, sp)}
             out.append(row)
             ms = row["ms"]

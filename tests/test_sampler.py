@@ -279,3 +279,36 @@ def test_bad_logits_shape_is_named():
         Sampler(10, "cpu")(torch.zeros(2, 10), [req()])
     with pytest.raises(ValueError, match="logits"):
         Sampler(10, "cpu")(torch.zeros(1, 8), [req()])
+
+
+def test_uniform_at_columns_is_the_whole_rows_value():
+    from worker.engine.sampler import _col_keys, seeded_uniform_at
+    V = 3000
+    seeds, steps = [7, 2**40 + 3, 0], [0, 11, 99]
+    cols = torch.randint(0, V, (3, 50))
+    whole = seeded_uniform(seeds, steps, V)
+    assert torch.equal(seeded_uniform_at(seeds, steps, cols, _col_keys(V, "cpu")), whole.gather(1, cols))
+
+
+def test_filtered_rows_decided_among_candidates_draw_what_the_whole_vocabulary_gives():
+    """The fast path (top-k / top-p decided among the CANDIDATES most likely tokens) draws
+    exactly the tokens of the whole-vocabulary path, for peaked rows (decided there) and
+    flat ones (left to the whole vocabulary), ties at the edge included."""
+    V = 2000
+    s = Sampler(V, "cpu")
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(1)
+    logits = torch.randn(300, V, generator=g) * torch.tensor([rng.choice([0.5, 3.0, 8.0]) for _ in range(300)])[:, None]
+    logits[::7, 100:400] = logits[::7, 100:101]  # ties, some across the candidates' edge
+    reqs = [req(seed=rng.randrange(2**40), output_ids=[1] * rng.randrange(4), temperature=rng.choice([0.5, 1.0, 1.4]),
+                top_k=rng.choice([-1, 5, 40, 200, 1000]), top_p=rng.choice([1.0, 0.95, 0.8, 0.3]),
+                min_p=rng.choice([0.0, 0.05])) for _ in range(300)]
+    got = s(logits.clone(), reqs).token_ids
+    ps = [r.params for r in reqs]
+    z = logits / torch.tensor([p.temperature for p in ps])[:, None]
+    want = s._over_vocab(z.clone(), ps, [r.seed for r in reqs], [len(r.output_ids) for r in reqs]).tolist()
+    assert got == want
+    filtered = [j for j, p in enumerate(ps) if 0 < p.top_k < V or p.top_p < 1.0]
+    _, decided = s._among_candidates(z.clone(), filtered, ps, [r.seed for r in reqs],
+                                     [len(r.output_ids) for r in reqs], 256)
+    assert 0 < len(decided) < len(filtered)  # both paths ran

@@ -17,6 +17,9 @@ from .req import Req
 _M32 = 0xFFFFFFFF
 _HASH_BLOCK = 1 << 18  # int64 values per block of seeded_uniform on a CPU (2 MiB)
 PROMPT_BLOCK = 256  # rows per log_softmax of prompt logprobs (50 MB at a 49k vocabulary)
+# Top tokens a top-k / top-p row is decided among, when its kept set fits in them: tried in
+# turn (a nucleus of thousands of tokens is common on a small model), then the vocabulary.
+CANDIDATES = (256, 4096)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -79,6 +82,15 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
         # 23 bits + 0.5 is exact in float32, so u is never 0 or 1.
         out[:, s:s + n] = hb.bitwise_right_shift_(9)
     return out.add_(0.5).mul_(1.0 / (1 << 23))
+
+
+def seeded_uniform_at(seeds: list[int], steps: list[int], cols: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
+    """seeded_uniform's values at columns `cols` ([B, K] vocab indices) only: the same
+    numbers, for a row whose draw is decided among a few candidates."""
+    k = _row_keys(seeds, steps, cols.device)[:, None]
+    h = _mix32(k ^ col_keys[cols])
+    h = _mix32((h + k) & _M32)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -216,6 +228,12 @@ class Sampler:
         return r[ok].to(self.device), c[ok].to(self.device)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """Gumbel-max draws over what the filters keep: argmax of z / T + Gumbel noise, the
+        noise a pure function of (seed, step, token). A top-k / top-p row whose kept set lies
+        within its CANDIDATES most likely tokens (the usual case) is decided among those: the
+        same set a full sort gives, drawn with the same noise, taken at those columns only (a
+        sort and a hash over the whole vocabulary were most of a sampled step); a larger set
+        next; the other rows take the whole vocabulary."""
         tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rand:
@@ -225,30 +243,86 @@ class Sampler:
         temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         z = logits[rand] / temp[:, None]
         V = z.shape[1]
-        filters = any(p.top_k > 1 or p.top_p < 1.0 for p in ps)
-        keep = None  # every token, unless a filter is on (the softmax is then needed)
-        if filters or any(p.min_p > 0 for p in ps):
+        seeds = [reqs[i].seed for i in rand]
+        steps = [len(reqs[i].output_ids) for i in rand]
+        left = [j for j, p in enumerate(ps) if (0 < p.top_k < V) or p.top_p < 1.0]
+        whole = [j for j, p in enumerate(ps) if not ((0 < p.top_k < V) or p.top_p < 1.0)]
+        for k in CANDIDATES:
+            if not left or k >= V:
+                break
+            won, decided = self._among_candidates(z, left, ps, seeds, steps, k)
+            for j, t in zip(decided, won):
+                tokens[rand[j]] = t
+            left = [j for j in left if j not in set(decided)]
+        whole = sorted(whole + left)  # rows drawn over the whole vocabulary
+        if whole:
+            tokens[[rand[j] for j in whole]] = self._over_vocab(z[whole], [ps[j] for j in whole],
+                                                                [seeds[j] for j in whole],
+                                                                [steps[j] for j in whole])
+        return tokens
+
+    def _among_candidates(self, z: torch.Tensor, rows: list[int], ps, seeds, steps, K: int):
+        """(tokens, rows) for the filtered rows whose kept set lies strictly inside their K
+        most likely tokens, with no tie across its edge (else the edge is not known from
+        them); the rest are left to a larger K or to _over_vocab."""
+        V = z.shape[1]
+        zf = z[rows]
+        probs = torch.softmax(zf, dim=-1)
+        vals, ids = probs.topk(K, dim=-1)
+        # Ties in token id order, as the whole-vocabulary sort breaks them.
+        by_id = ids.argsort(dim=-1)
+        ids, vals = ids.gather(1, by_id), vals.gather(1, by_id)
+        order = vals.argsort(dim=-1, descending=True, stable=True)
+        ids, vals = ids.gather(1, order), vals.gather(1, order)
+        sub = [ps[j] for j in rows]
+        keep, full = self._kept(vals, probs.sum(-1, keepdim=True), sub, V)
+        m = keep.sum(-1)
+        last = vals.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0]
+        fits = (~full) & (m < K) & (last > vals[:, K - 1])
+        decided = [rows[j] for j in fits.nonzero()[:, 0].tolist()]
+        if not decided:
+            return [], []
+        sel = fits.nonzero()[:, 0]
+        cols = ids[sel]
+        u = seeded_uniform_at([seeds[j] for j in decided], [steps[j] for j in decided], cols, self._col_keys)
+        score = zf[sel].gather(1, cols) - u.log_().neg_().log_()
+        score = score.masked_fill_(~keep[sel], float("-inf"))
+        return cols.gather(1, score.argmax(-1, keepdim=True))[:, 0].tolist(), decided
+
+    @staticmethod
+    def _kept(sp: torch.Tensor, total: torch.Tensor, ps, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of each row's tokens sorted by probability (sp: a prefix of them, or all)
+        top-k, top-p and min-p keep, and whether top-k reaches past that prefix (then the
+        prefix cannot tell). `total`: the row's whole probability mass (top-p's base
+        without top-k)."""
+        dev, n = sp.device, sp.shape[1]
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+        rank = torch.arange(n, device=dev)[None, :]
+        in_k = rank < top_k[:, None]
+        kept = torch.where(in_k, sp, 0.0)
+        # top-p over the top-k renormalized probs; keep the smallest prefix reaching top_p.
+        base = torch.where((top_k < V)[:, None], kept.sum(-1, keepdim=True), total)
+        before = (kept.cumsum(-1) - kept) / base
+        in_p = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        in_min = sp >= min_p[:, None] * sp[:, :1]
+        return in_k & in_p & in_min, (top_k < V) & (top_k > n)
+
+    def _over_vocab(self, z: torch.Tensor, ps, seeds, steps) -> torch.Tensor:
+        """Draws over the whole vocabulary (rows without filters, or whose kept set the
+        candidates could not tell)."""
+        V = z.shape[1]
+        keep = None
+        if any((0 < p.top_k < V) or p.top_p < 1.0 or p.min_p > 0 for p in ps):
             probs = torch.softmax(z, dim=-1)
-            keep = probs >= torch.tensor([p.min_p for p in ps], device=dev)[:, None] * probs.amax(-1, keepdim=True)
-        if filters:
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in ps], device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
             # One stable sort for all rows; ties break by token id on every device.
             sp, idx = probs.sort(dim=-1, descending=True, stable=True)
-            rank = torch.arange(V, device=dev)[None, :]
-            in_k = rank < top_k[:, None]
-            sp = torch.where(in_k, sp, 0.0)
-            # top-p over the top-k renormalized probs; keep the smallest prefix reaching top_p.
-            before = (sp.cumsum(-1) - sp) / sp.sum(-1, keepdim=True)
-            in_p = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-            keep_sorted = in_k & in_p
-            keep &= torch.zeros_like(keep).scatter_(1, idx, keep_sorted)
-
+            keep_sorted, _ = self._kept(sp, probs.sum(-1, keepdim=True), ps, V)
+            keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)
         # Gumbel-max in log space: argmax z - log(-log u) == argmax probs / Exp(1).
-        u = seeded_uniform([reqs[i].seed for i in rand], [len(reqs[i].output_ids) for i in rand],
-                           self.vocab_size, dev, self._col_keys)
+        u = seeded_uniform(seeds, steps, self.vocab_size, z.device, self._col_keys)
         score = z.sub_(u.log_().neg_().log_())
         if keep is not None:
             score = score.masked_fill_(~keep, float("-inf"))
-        tokens[rand] = score.argmax(dim=-1)
-        return tokens
+        return score.argmax(dim=-1)
