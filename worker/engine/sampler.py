@@ -234,35 +234,41 @@ class Sampler:
         same set a full sort gives, drawn with the same noise, taken at those columns only (a
         sort and a hash over the whole vocabulary were most of a sampled step); a larger set
         next; the other rows take the whole vocabulary."""
-        tokens = logits.argmax(dim=-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if not rand:
-            return tokens
+        if len(rand) < len(reqs):
+            tokens = logits.argmax(dim=-1)
+            if not rand:
+                return tokens
+        else:  # every row draws: no argmax of the raw logits needed
+            tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
         ps = [reqs[i].params for i in rand]
         dev = logits.device
         temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        z = logits[rand] / temp[:, None]
+        z = (logits if len(rand) == len(reqs) else logits[rand]) / temp[:, None]
         V = z.shape[1]
         seeds = [reqs[i].seed for i in rand]
         steps = [len(reqs[i].output_ids) for i in rand]
-        left = [j for j, p in enumerate(ps) if (0 < p.top_k < V) or p.top_p < 1.0]
-        whole = [j for j, p in enumerate(ps) if not ((0 < p.top_k < V) or p.top_p < 1.0)]
+        filtered = [(0 < p.top_k < V) or p.top_p < 1.0 for p in ps]
+        left = [j for j, f in enumerate(filtered) if f]
+        whole = [j for j, f in enumerate(filtered) if not f]
         for k in CANDIDATES:
             if not left or k >= V:
                 break
             won, decided = self._among_candidates(z, left, ps, seeds, steps, k)
-            for j, t in zip(decided, won):
-                tokens[rand[j]] = t
-            left = [j for j in left if j not in set(decided)]
+            if decided:
+                tokens[[rand[j] for j in decided]] = won
+            done = set(decided)
+            left = [j for j in left if j not in done]
         whole = sorted(whole + left)  # rows drawn over the whole vocabulary
-        if whole:
-            tokens[[rand[j] for j in whole]] = self._over_vocab(z[whole], [ps[j] for j in whole],
+        if whole:  # z is this call's own: drawn over in place
+            zw = z if len(whole) == len(ps) else z[whole]
+            tokens[[rand[j] for j in whole]] = self._over_vocab(zw, [ps[j] for j in whole],
                                                                 [seeds[j] for j in whole],
                                                                 [steps[j] for j in whole])
         return tokens
 
     def _among_candidates(self, z: torch.Tensor, rows: list[int], ps, seeds, steps, K: int):
-        """(tokens, rows) for the filtered rows whose kept set lies strictly inside their K
+        """(tokens tensor, rows) for the filtered rows whose kept set lies strictly inside their K
         most likely tokens, with no tie across its edge (else the edge is not known from
         them); the rest are left to a larger K or to _over_vocab."""
         V = z.shape[1]
@@ -281,13 +287,13 @@ class Sampler:
         fits = (~full) & (m < K) & (last > vals[:, K - 1])
         decided = [rows[j] for j in fits.nonzero()[:, 0].tolist()]
         if not decided:
-            return [], []
+            return None, []
         sel = fits.nonzero()[:, 0]
         cols = ids[sel]
         u = seeded_uniform_at([seeds[j] for j in decided], [steps[j] for j in decided], cols, self._col_keys)
         score = zf[sel].gather(1, cols) - u.log_().neg_().log_()
         score = score.masked_fill_(~keep[sel], float("-inf"))
-        return cols.gather(1, score.argmax(-1, keepdim=True))[:, 0].tolist(), decided
+        return cols.gather(1, score.argmax(-1, keepdim=True))[:, 0], decided
 
     @staticmethod
     def _kept(sp: torch.Tensor, total: torch.Tensor, ps, V: int) -> tuple[torch.Tensor, torch.Tensor]:
