@@ -378,3 +378,16 @@ def test_fanout_up_keeps_jobs_across_restarts_and_a_second_ctrl_c_hands_back_at_
     finally:
         code = up.stop()
     assert code == 0, up.output()
+
+
+def test_generate_takes_tools_as_json_flags(tmp_path, model_dir):
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    src = write_lines(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "Weather in Oslo?"}]}])
+    out = tmp_path / "out.jsonl"
+    main(["generate", src, str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "100",
+          "--tools", json.dumps(tools), "--tool-choice", "required", "--no-parallel-tool-calls"])
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (call,) = row["samples"][0]["tool_calls"]
+    assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city"}
