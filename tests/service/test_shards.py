@@ -17,6 +17,7 @@ from conftest import WorkerProc, entries, start_api, wait_for
 from results import keys, reader
 from results.client import Client
 from worker.engine import SamplingParams
+from worker.engine.models.tiny import build_tiny_model
 from worker.redis_server import EmbeddedRedis
 from worker.settings import Settings
 
@@ -28,13 +29,17 @@ MIXED = [{"max_new_tokens": 4 if i % 2 else 300, "temperature": 0.8, "ignore_eos
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, tmp_path_factory):
+def fleet(tmp_path_factory):
     logs = tmp_path_factory.mktemp("shards")
+    # The tests' tiny model (the same weights as model_dir's: outputs are compared with its
+    # engine) with room for 4096-token samples: the huge job's must not end during its test
+    # (at the 1,024-token context they did, once sampling got faster).
+    model = build_tiny_model(str(tmp_path_factory.mktemp("fleet") / "llama"), arch="llama", max_context=8192)
     server = EmbeddedRedis()
     api, url = start_api(server.url, logs, "api")
     r = redis_lib.Redis.from_url(server.url)
     env = {"FANOUT_HEARTBEAT_TTL": str(TTL), "OMP_NUM_THREADS": "1"}
-    workers = [WorkerProc(server.url, model_dir, logs, env=env) for _ in range(2)]
+    workers = [WorkerProc(server.url, model, logs, env=env) for _ in range(2)]
     for w in workers:
         w.start()
     yield {"redis": r, "api": url, "workers": workers}
