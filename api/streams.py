@@ -192,17 +192,24 @@ class Hub:
                     await asyncio.sleep(1.0)
                     continue
                 for key, entries in got or []:
-                    self._hand_out(_text(key), entries)
+                    key = _text(key)
+                    self._hand_out(key, entries, streams[key])
         finally:
             checker.cancel()
             await self.reader.aclose()
 
-    def _hand_out(self, key: str, entries: list) -> None:
+    def _hand_out(self, key: str, entries: list, since: str) -> None:
+        """Entries read after `since` to the followers they continue. A follower that
+        subscribed while the read was in flight, from before `since`, gets none of them:
+        the next read starts from it (it would skip what lies between)."""
         if key == self.wake_key:
             self.wake_last = _text(entries[-1][0])
             return
+        start = _pos(since)
         for f in list(self.subs.get(key, ())):
             at = _pos(f.given)
+            if at < start:
+                continue
             new = [(i, fields) for i, fields in entries if _pos(_text(i)) > at]
             if not new:
                 continue

@@ -200,3 +200,28 @@ def test_revoking_a_key_ends_its_open_streams_within_seconds(model_dir, tmp_path
         api.stop()
         r.close()
         server.stop()
+
+
+def test_a_read_that_started_past_a_new_subscriber_hands_it_nothing():
+    """The race once seen in this file's thousand-stream test (four entries skipped): a
+    follower subscribes, from before where the hub's in-flight read started (the others
+    were further on), and that read's entries must not move it past the ones in between;
+    the next read starts from it."""
+    from api.streams import Hub
+
+    async def main():
+        hub = Hub("redis://127.0.0.1:1/0", None, 10, None)  # no connection is made here
+        ahead, behind = hub.open("s", "5-0", None), hub.open("s", "2-0", None)
+        for f in (ahead, behind):
+            f.subscribed = True
+            hub.subs.setdefault("s", set()).add(f)
+        read = [(b"6-0", {}), (b"7-0", {})]  # a read from 5-0, before `behind` subscribed
+        hub._hand_out("s", read, "5-0")
+        assert ahead.queue.get_nowait() == [(b"6-0", {}), (b"7-0", {})] and ahead.given == "7-0"
+        assert behind.queue.empty() and behind.given == "2-0"
+        hub._hand_out("s", [(b"3-0", {}), (b"6-0", {}), (b"7-0", {}), (b"8-0", {})], "2-0")  # the next read
+        assert [i for i, _ in behind.queue.get_nowait()] == [b"3-0", b"6-0", b"7-0", b"8-0"]
+        assert [i for i, _ in ahead.queue.get_nowait()] == [b"8-0"]
+        await hub.reader.aclose()
+
+    asyncio.run(main())
