@@ -20,7 +20,8 @@ def usage(items: list[list[dict]]) -> dict:
 
 def finish_reason(ours: str) -> str:
     # "abort" (a canceled request) has no OpenAI name; it ends the text like a stop.
-    return "length" if ours == "length" else "stop"
+    # "tool_calls" is OpenAI's own (chat_message gives it).
+    return ours if ours in ("length", "tool_calls") else "stop"
 
 
 def _top(entry: dict) -> dict:
@@ -110,7 +111,7 @@ def chat_chunk(id: str, created: int, model: str, index: int, delta: dict, logpr
     return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None,
             "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                         "finish_reason": finish and (finish if finish == "tool_calls" else finish_reason(finish))}]}
+                         "finish_reason": finish and finish_reason(finish)}]}
 
 
 def text_chunk(id: str, created: int, model: str, index: int, text: str, logprobs: list[dict] | None = None,

@@ -18,6 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable
 
+from . import tools
 from .chat import ChatEncoder
 from .detokenizer import Detokenizer
 from .events import Event, Usage
@@ -26,9 +27,8 @@ from .grammar import GrammarError, Grammars
 from .encoder import Encoder
 from .intake import Call, ImageIntake, Pending, TextIntake
 from .req import Req
-from .sampling_params import SamplingParams, per_item
-from . import tools
 from .sampler import TokenLogprob
+from .sampling_params import SamplingParams, per_item
 from .scheduler import Scheduler, StepResult, step_error
 
 Sink = Callable[[Event], None]

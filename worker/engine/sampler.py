@@ -125,6 +125,11 @@ def records(lsm: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[Toke
     return out
 
 
+def _filters(p, V: int) -> bool:
+    """Does top-k or top-p cut the row's vocabulary?"""
+    return 0 < p.top_k < V or p.top_p < 1.0
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
@@ -248,7 +253,7 @@ class Sampler:
         V = z.shape[1]
         seeds = [reqs[i].seed for i in rand]
         steps = [len(reqs[i].output_ids) for i in rand]
-        filtered = [(0 < p.top_k < V) or p.top_p < 1.0 for p in ps]
+        filtered = [_filters(p, V) for p in ps]
         left = [j for j, f in enumerate(filtered) if f]
         whole = [j for j, f in enumerate(filtered) if not f]
         for k in CANDIDATES:
@@ -284,11 +289,10 @@ class Sampler:
         keep, full = self._kept(vals, probs.sum(-1, keepdim=True), sub, V)
         m = keep.sum(-1)
         last = vals.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0]
-        fits = (~full) & (m < K) & (last > vals[:, K - 1])
-        decided = [rows[j] for j in fits.nonzero()[:, 0].tolist()]
+        sel = ((~full) & (m < K) & (last > vals[:, K - 1])).nonzero()[:, 0]
+        decided = [rows[j] for j in sel.tolist()]
         if not decided:
             return None, []
-        sel = fits.nonzero()[:, 0]
         cols = ids[sel]
         u = seeded_uniform_at([seeds[j] for j in decided], [steps[j] for j in decided], cols, self._col_keys)
         score = zf[sel].gather(1, cols) - u.log_().neg_().log_()
@@ -320,7 +324,7 @@ class Sampler:
         candidates could not tell)."""
         V = z.shape[1]
         keep = None
-        if any((0 < p.top_k < V) or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+        if any(_filters(p, V) or p.min_p > 0 for p in ps):
             probs = torch.softmax(z, dim=-1)
             # One stable sort for all rows; ties break by token id on every device.
             sp, idx = probs.sort(dim=-1, descending=True, stable=True)

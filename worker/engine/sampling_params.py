@@ -127,10 +127,10 @@ class SamplingParams(BaseModel):
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
         if self.tools and len({t.function.name for t in self.tools}) < len(self.tools):
             raise ValueError("tools: two functions have the same name")
-        if self.tool_schema is not None:
+        if (calls := self.tool_schema) is not None:
             given.append("tool_choice")
             try:
-                _check_schema(self.tool_schema)
+                _check_schema(calls)
             except ValueError as e:
                 raise ValueError(f"tools: a function's parameters: {e}") from None
         if len(given) > 1:
