@@ -16,7 +16,7 @@ from api import batchfile, cron, jobs
 from worker.settings import Settings
 from results import reader
 from results.client import Client
-from worker import cli
+from worker import commands
 from worker.cli import main, parser
 from worker.redis_server import EmbeddedRedis, free_port
 from worker.engine import SamplingParams
@@ -53,7 +53,7 @@ def test_generate_offline_matches_the_engine(tmp_path, model_dir, engine, capsys
         [[s.token_ids for s in it.samples] for it in want]
     err = capsys.readouterr().err
     assert "tok/s" in err and "3/3" in err  # the progress bar: items done and throughput
-    assert cli._rate(5, 20.0) == "0.25" and cli._rate(123456, 1.0) == "1.23e+05"
+    assert commands._rate(5, 20.0) == "0.25" and commands._rate(123456, 1.0) == "1.23e+05"
 
 
 def test_submit_status_results(tmp_path, api_url, worker, capsys):
@@ -76,7 +76,7 @@ def test_submit_status_results(tmp_path, api_url, worker, capsys):
     running = json.loads(capsys.readouterr().out)["id"]
     with pytest.raises(SystemExit) as e:
         main(["results", running, "--url", api_url])
-    assert e.value.code == cli.NOT_FINISHED
+    assert e.value.code == commands.NOT_FINISHED
     captured = capsys.readouterr()
     assert "0 of 1 items finished" in captured.err and json.loads(captured.out)["samples"] == []
     main(["cancel", running, "--url", api_url])
@@ -88,7 +88,7 @@ def test_a_gguf_is_served_by_its_name_without_the_quantization(tmp_path):
                        ("qwen2.5-0.5b-instruct-fp16.gguf", "qwen2.5-0.5b-instruct"),
                        ("model-f16.gguf", "model"), ("plain.gguf", "plain")):
         (tmp_path / file).write_bytes(b"")
-        assert cli.served_name(str(tmp_path / file)) == name
+        assert commands.served_name(str(tmp_path / file)) == name
 
 
 def test_cron_config_submits_jobs_through_rq_cron(tmp_path, redis, redis_url, worker):

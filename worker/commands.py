@@ -1,0 +1,282 @@
+"""What each `fanout` command does (worker/cli.py parses the command line and calls
+them): run the service (api, worker, cron, up), use it through the API (submit, status,
+results, cancel), manage API keys in Redis (keys), or generate offline (generate)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+import redis
+
+from api import batchfile, tenants
+from results import events
+from worker import logs
+from worker.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
+
+def job_body(path: str, args) -> dict[str, Any]:
+    """A POST /v1/jobs body: the batch file's items and the sampling flags."""
+    sp = sampling_from_args(args)
+    seed = sp.pop("seed", None)  # the flags are the shared object: their seed is the job seed
+    body = batchfile.job_body(path, sp)
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def job_spec(body: dict[str, Any], path: str):
+    """The job a worker would run for this body, parsed and normalized as the API does."""
+    from pydantic import ValidationError
+
+    from api.schemas import UNION_TAGS, JobRequest
+
+    try:
+        return JobRequest.model_validate(body).spec()
+    except ValidationError as e:
+        def where(loc):  # body.sampling_params.0.top_p, without pydantic's union tags
+            return ".".join(str(p) for p in loc if p not in UNION_TAGS)
+        raise ValueError(f"{path}: " + "; ".join(f"{where(x['loc'])}: {x['msg']}"
+                                                 for x in e.errors()[:5])) from None
+
+
+def cmd_api(args) -> None:
+    import uvicorn
+
+    os.environ["REDIS_URL"] = args.redis_url
+    # Processes behind one port: each counts its requests in files in PROMETHEUS_MULTIPROC_DIR,
+    # and the one a scrape reaches sums them all (prometheus-client's multiprocess mode). The
+    # files must not outlive the run: a given directory is emptied, a temporary one removed.
+    own_dir, given = None, ENV("PROMETHEUS_MULTIPROC_DIR")
+    if args.workers > 1:
+        if given:
+            for name in os.listdir(given):
+                if name.endswith(".db"):
+                    os.remove(os.path.join(given, name))
+        else:
+            own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="fanout-metrics-")
+    log_config = {"log_config": logs.uvicorn_config()} if logs.json_enabled() else {}
+    # A socket per open stream: a soft limit of 1,024 files (a common default) would refuse
+    # connections well under FANOUT_MAX_STREAMS, so take what the hard limit allows.
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    try:
+        # Idle keep-alive connections live 75 s (uvicorn's default is 5): longer than a load
+        # balancer's idle timeout (60 s is common), so the server never closes a connection
+        # a client or proxy is about to reuse (a "connection reset" on its next request).
+        uvicorn.run("api.app:create_app", factory=True, host=args.host, port=args.port,
+                    workers=args.workers, log_level="info", timeout_keep_alive=75, **log_config)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def worker_name() -> str:
+    # A random part: a container restarted after kill -9 has the same hostname and pid, and
+    # rq refuses a name whose dead owner's key has not expired yet (up to 8 minutes).
+    return f"fanout-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def served_name(model: str) -> str:
+    """A Hub id as it is; a local folder by its name; a .gguf file by its name without the
+    quantization tag (SmolLM2-135M-Instruct.Q4_1.gguf: SmolLM2-135M-Instruct)."""
+    if not os.path.exists(model):
+        return model
+    name = os.path.basename(os.path.normpath(model))
+    if not name.endswith(".gguf"):
+        return name
+    return re.sub(r"[.-](I?Q\d\w*|BF16|FP?16|FP?32)$", "", name.removesuffix(".gguf"), flags=re.I) or name
+
+
+def cmd_worker(args) -> None:
+    from worker.settings import Settings
+    from worker.consumer import Consumer
+    from worker.engine import Engine
+
+    logs.setup()
+    if not args.model:
+        raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
+    engine = Engine(args.model, engine_config(args))
+    r = engine.runner
+    logging.getLogger("fanout.worker").info(
+        "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
+        args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
+        r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
+    os.environ["REDIS_URL"] = args.redis_url
+    consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
+                        name=args.name or worker_name(), drain_timeout=args.drain_timeout,
+                        delta_interval=args.delta_interval,
+                        model=args.served_model_name or served_name(args.model))
+    logging.getLogger("fanout.worker").info("worker %s: its jobs' readers see it as %s", consumer.name,
+                                            events.worker_ref(consumer.name))
+    if args.metrics_port is not None:
+        consumer.metrics.serve(args.metrics_port, args.metrics_host)
+        logging.getLogger("fanout.worker").info("metrics on http://%s:%d/metrics", args.metrics_host,
+                                                args.metrics_port)
+    consumer.run(burst=args.burst)
+
+
+def cmd_cron(args) -> None:
+    from api.cron import run
+
+    logs.setup()
+    os.environ["REDIS_URL"] = args.redis_url
+    run(args.config)
+
+
+def cmd_up(args) -> None:
+    from worker import up
+
+    up.run(args, worker_flags=forward(args, ENGINE_OPTIONS | WORKER_OPTIONS))
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, ensure_ascii=False))
+
+
+def cmd_submit(args) -> None:
+    from tqdm import tqdm
+
+    from results.client import Client
+
+    body = {**job_body(args.file, args), "priority": args.priority}
+    if args.run_at:
+        body["run_at"] = args.run_at
+    if args.metadata:
+        body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
+    spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
+    with Client(args.url, api_key=args.api_key) as client:
+        job = client.submit(body, idempotency_key=args.idempotency_key)
+        print(f"job {job['id']} ({job['items']} items, seed {job['seed']})", file=sys.stderr)
+        if args.no_wait:
+            _print_json(job)
+            return
+        total = job["items"]
+        left = dict(enumerate(p.n for p in spec.sampling_params))
+        bar = tqdm(total=total, unit="item", file=sys.stderr)
+        status = None
+        for _, entry in client.events(job["id"]):
+            if entry["type"] in ("final", "error"):
+                left[entry["index"]] -= 1
+                if left[entry["index"]] == 0:
+                    bar.update(1)
+                if args.stream:
+                    # The sample as /results has it (logprobs only when asked).
+                    keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
+                            "logprobs", "prompt_logprobs")
+                    tqdm.write(json.dumps({k: entry[k] for k in keys if k in entry}, ensure_ascii=False),
+                               file=sys.stdout)
+            elif entry["type"] == "status":
+                status = entry["status"]
+        bar.close()
+        if status != "succeeded":
+            info = client.status(job["id"])
+            raise SystemExit(f"job {job['id']} {info['status']}: {info['error']}")
+        if not args.stream:
+            _write_items(client.results(job["id"]), args.out)
+
+
+def _write_items(items, out: str | None) -> None:
+    f = open(out, "w") if out else sys.stdout
+    try:
+        for item in items:
+            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+    finally:
+        if out:
+            f.close()
+
+
+def cmd_status(args) -> None:
+    from results.client import Client
+
+    with Client(args.url, api_key=args.api_key) as c:
+        print(json.dumps(c.status(args.id), indent=2))
+
+
+NOT_FINISHED = 3  # exit status of `fanout results` on a job that has not ended
+
+
+def cmd_results(args) -> None:
+    from results.client import Client
+
+    with Client(args.url, api_key=args.api_key) as c:
+        info = c.status(args.id)
+        _write_items(c.results(args.id), args.out)
+    if info["status"] not in events.TERMINAL:  # partial: say so, and exit so that scripts notice
+        p = info["progress"]
+        print(f"fanout results: job {args.id} is {info['status']}: {p['done']} of {p['total']} items "
+              "finished; the samples written are those finished so far", file=sys.stderr)
+        raise SystemExit(NOT_FINISHED)
+
+
+def cmd_cancel(args) -> None:
+    from results.client import Client
+
+    with Client(args.url, api_key=args.api_key) as c:
+        _print_json(c.cancel(args.id))
+
+
+def cmd_keys(args) -> None:
+    """Operator commands: straight to Redis, no API."""
+    conn = redis.Redis.from_url(args.redis_url)
+    if args.keys_cmd == "create":
+        limits = {name: getattr(args, name) for name in tenants.LIMITS if getattr(args, name) is not None}
+        key, tenant = tenants.create(conn, args.name, limits, args.high_priority)
+        print(f"fanout keys: created {tenant.id} ({tenant.name}); the key is shown only now, "
+              "API auth is on for every client", file=sys.stderr)
+        print(key)
+    elif args.keys_cmd == "list":
+        for t in tenants.all_tenants(conn):
+            _print_json({**dataclasses.asdict(t), "in_flight": tenants.in_flight(conn, t.id)})
+    else:
+        _print_json(dataclasses.asdict(tenants.revoke(conn, args.id)))
+
+
+def cmd_generate(args) -> None:
+    """Offline: the engine in this process, no Redis or API."""
+    from tqdm import tqdm
+
+    from worker.engine import Engine
+    from worker.publish import sample_record
+
+    spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
+    engine = Engine(args.model, engine_config(args))
+    kind, items, params = spec.kind, spec.items, spec.sampling_params
+    if kind == "messages":  # as the worker does: the engine renders chats (images expanded)
+        items = [[m.chat_dict() for m in chat] for chat in items]
+    left = dict(enumerate(p.n for p in params))
+    samples: dict[int, dict[int, dict]] = {i: {} for i in range(len(items))}
+    bar = tqdm(total=len(items), unit="item", file=sys.stderr)
+    tokens, t0 = 0, time.monotonic()
+    for ev in engine.generate(**{kind: items}, sampling_params=params, seed=spec.seed, stream=True):
+        tokens += len(ev.token_ids_delta)
+        if ev.finished:
+            samples[ev.index][ev.sample] = sample_record(ev)
+            left[ev.index] -= 1
+            if left[ev.index] == 0:
+                bar.update(1)
+        bar.set_postfix_str(f"{_rate(tokens, time.monotonic() - t0)} tok/s", refresh=False)
+    bar.close()
+    with open(args.output, "w") as f:
+        for i in range(len(items)):
+            out = [{"sample": j, **s} for j, s in sorted(samples[i].items())]
+            f.write(json.dumps({"index": i, "custom_id": spec.custom_id(i), "samples": out},
+                               ensure_ascii=False) + "\n")
+    dt = time.monotonic() - t0
+    print(f"{len(items)} items, {tokens} tokens in {dt:.1f}s ({_rate(tokens, dt)} tok/s) "
+          f"-> {args.output}", file=sys.stderr)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    """Tokens per second to three figures: a slow run reads 0.25, not 0."""
+    return f"{tokens / max(seconds, 1e-9):.3g}"
