@@ -16,14 +16,14 @@ RUN apt-get update \
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/models/hf
 
-# The processes run as this user (fixed uid, so volume ownership is predictable). /models is
-# where compose mounts the model volume: a new named volume takes the ownership of the
-# image's folder, so the Hugging Face cache there is writable. Triton's kernel cache goes to
-# the user's home (~/.triton).
+# The processes run as this user (fixed uid, so volume ownership is predictable). /models and
+# /blobs are where compose mounts the model volume and the blob store's: a new named volume
+# takes the ownership of the image's folder, so the Hugging Face cache and the files there
+# are writable. Triton's kernel cache goes to the user's home (~/.triton).
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/fanout \
         --shell /usr/sbin/nologin fanout \
- && mkdir -p /models/hf \
- && chown -R fanout:fanout /models
+ && mkdir -p /models/hf /blobs \
+ && chown -R fanout:fanout /models /blobs
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

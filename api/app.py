@@ -25,10 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
+from results import blobs
 from worker.settings import Settings
 
 from . import auth, metrics, openapi, streams, tenants, tokenize
-from .openai import batches
+from .openai import batches, files
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
 from .openai.errors import OpenAIError, from_validation, is_openai
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.settings = settings
         app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
+        app.state.blobs = blobs.open_store(settings.storage_url)
         try:
             if not tenants.enabled(app.state.redis):
                 logging.getLogger("fanout.api").warning(
@@ -73,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.hub = streams.Hub(settings.redis_url, app.state.aredis, settings.max_streams, revoked)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(batches.sweep, app.state)  # OpenAI batches: expiry, finalization
+            tasks.start_soon(files.sweep, app.state)  # the bytes of expired and deleted files
             tasks.start_soon(app.state.hub.run)  # every followed stream, one reader
             yield
             tasks.cancel_scope.cancel()
@@ -126,6 +129,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for error in REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
+
+    @app.exception_handler(blobs.StoreError)
+    async def store_down(request: Request, exc: blobs.StoreError):
+        # As for Redis: what failed is in the log, under the ref.
+        message = f"blob store unavailable (ref {_logged('blob store unavailable', exc, stack=False)}); try again"
+        if is_openai(request.url.path):
+            return OpenAIError(503, message, type="server_error", code="store_unavailable").response()
+        return JSONResponse({"detail": message}, status_code=503)
 
     @app.exception_handler(tenants.OverLimit)
     async def over_limit(request: Request, exc: tenants.OverLimit):

@@ -78,12 +78,14 @@ def models() -> str:
 
 
 def file(file_id: str) -> str:
-    """An OpenAI file's object (JSON); its bytes are at file_content."""
+    """An OpenAI file's object (JSON); its bytes are in the blob store (api.openai.files)."""
     return f"{PREFIX}:file:{file_id}"
 
 
-def file_content(file_id: str) -> str:
-    return f"{PREFIX}:file:{file_id}:content"
+def files_due() -> str:
+    """Sorted set of file ids whose bytes the blob store may hold past their object, scored by
+    when the sweep may delete them (the object's expiry; a deleted file's: at once)."""
+    return f"{PREFIX}:files:due"
 
 
 def files(tenant: str | None) -> str:

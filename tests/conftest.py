@@ -1,5 +1,8 @@
 import http.server
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +13,64 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 from worker.engine.models.tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def storage_dir(tmp_path_factory):
+    """The blob store of every process the tests start: a folder of this run, not the
+    user's ~/.local/share/fanout/blobs (FANOUT_STORAGE_URL as given, if it is)."""
+    path = tmp_path_factory.mktemp("blobs")
+    given = os.environ.get("FANOUT_STORAGE_URL")
+    os.environ.setdefault("FANOUT_STORAGE_URL", f"file://{path}")
+    yield path
+    if given is None:
+        os.environ.pop("FANOUT_STORAGE_URL", None)
+
+
+class S3Server:
+    """moto's S3 server as its own process on 127.0.0.1 (it speaks S3's HTTP API as AWS or
+    MinIO would); `env` points boto3 at it. stop() and start() again: the same port, and
+    an empty store (moto keeps its buckets in memory)."""
+
+    def __init__(self, log_dir):
+        from worker.redis_server import free_port
+        self.port, self.log_dir, self.proc = free_port(), log_dir, None
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                    "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self):
+        import httpx
+        exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+        self.log = open(self.log_dir / "moto.log", "ab")
+        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(self.url + "/moto-api/", timeout=1)
+                return self
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start (exit {self.proc.poll()}): see {self.log.name}")
+                time.sleep(0.1)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def client(self):
+        import boto3
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="test", aws_secret_access_key="test",
+                            region_name="us-east-1")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("moto")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

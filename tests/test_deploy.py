@@ -220,6 +220,16 @@ def test_model_volume_is_writable_by_that_user(services, dockerfile):
     assert any(re.search(r"mkdir -p /models/hf\b", ln) for ln in chown)
 
 
+def test_blob_volume_is_the_apis_store_and_writable(services, dockerfile):
+    user = next(ln for ln in reversed(dockerfile) if ln.startswith("USER ")).split()[1]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["api"]["volumes"]}
+    assert mounts.get("/blobs") == "blobs"
+    url = env_of(services["api"])["FANOUT_STORAGE_URL"]
+    assert re.fullmatch(r"\$\{FANOUT_STORAGE_URL:-file:///blobs\}", url), url
+    chown = [ln for ln in dockerfile if ln.startswith("RUN ") and "chown" in ln]
+    assert any(re.search(rf"chown -R {user}(:{user})? .*/blobs\b", ln) for ln in chown), chown
+
+
 def test_image_has_a_c_compiler_for_triton(dockerfile):
     installs = [ln for ln in dockerfile if ln.startswith("RUN ") and "apt-get install" in ln]
     words = set(shlex.split(" ".join(installs)))

@@ -245,11 +245,23 @@ def test_every_fanout_process_gets_the_password_in_redis_url(docs, monkeypatch):
     create = re.compile(r"kubectl -n fanout create secret generic (\S+) --from-literal=(\w+)=")
     for path in ("k8s.yaml", "README.md"):
         with open(os.path.join(ROOT, path)) as f:
-            assert create.findall(f.read()) == [(name, key)], path
+            assert [c for c in create.findall(f.read()) if c[0] == name] == [(name, key)], path
     sts = one(docs, "StatefulSet", "redis")
     data = args[args.index("--dir") + 1]
     mount = next(m for m in redis_ct["volumeMounts"] if m["mountPath"] == data)
     assert mount["name"] in [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]]
+
+
+def test_the_api_reads_the_blob_store_from_the_secret_the_instructions_create(docs):
+    """Every API replica must reach the same files: a bucket, named by the blob-store Secret
+    (FANOUT_STORAGE_URL and the AWS_* variables), which k8s.yaml's header and README create."""
+    api = one(docs, "Deployment", "api")
+    (c,) = pod_spec(api)["containers"]
+    (ref,) = [e["secretRef"]["name"] for e in c["envFrom"]]
+    create = re.compile(rf"kubectl -n fanout create secret generic {ref} --from-literal=FANOUT_STORAGE_URL=s3://")
+    for path in ("k8s.yaml", "README.md"):
+        with open(os.path.join(ROOT, path)) as f:
+            assert len(create.findall(f.read())) == 1, path
 
 
 def test_the_instructions_name_what_the_file_uses(docs):

@@ -78,7 +78,8 @@ and finished jobs) in --data-dir, so they are there after the next `fanout up`."
     p.add_argument("--redis-port", type=int, default=6380,
                    help="port of the embedded Redis (a free one if it is taken)")
     p.add_argument("--data-dir", default=ENV("FANOUT_DATA_DIR") or default_data_dir(),
-                   help="where the embedded Redis keeps its data (env FANOUT_DATA_DIR)")
+                   help="where the embedded Redis keeps its data, and files live (its blobs/ folder) unless "
+                        "FANOUT_STORAGE_URL names a store (env FANOUT_DATA_DIR)")
     p.add_argument("--host", **host)
     p.add_argument("--port", **port)
     model_flag(p, "local HF model folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct, "

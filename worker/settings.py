@@ -4,7 +4,7 @@ never imports the web app."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _int(name: str, default: int, least: int | None = None) -> int:
@@ -52,6 +52,11 @@ class Settings:
     batch_max_requests: int = 50_000
     batch_max_file_bytes: int = 200 * 1024 * 1024
     batch_window: int = 24 * 3600
+    # Where files live (results/blobs.py): a folder, or s3://bucket/prefix with the AWS_*
+    # variables. The default folder serves one host; more hosts need a bucket (or a volume
+    # every process mounts).
+    storage_url: str = field(default_factory=lambda: "file://" + os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "fanout", "blobs"))
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -73,4 +78,5 @@ class Settings:
             batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),
             batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),
+            storage_url=os.environ.get("FANOUT_STORAGE_URL") or d.storage_url,
         )

@@ -1,5 +1,6 @@
 """`fanout up`: everything on one machine. Redis (embedded, persistent in a data directory,
-unless a REDIS_URL is given), a worker with the model (the demo model by default), the API
+unless a REDIS_URL is given), the blob store (a folder in the same directory, unless
+FANOUT_STORAGE_URL names one), a worker with the model (the demo model by default), the API
 and maybe the cron scheduler, as child processes; "ready" once the worker is registered and
 the API answers; every signal passed on to every child (a second one hands jobs back at
 once), Redis stopped last."""
@@ -65,7 +66,9 @@ def run(args, worker_flags: list[str]) -> None:
 
 def _run_children(args, redis_url: str, model: str, worker_flags: list[str]) -> None:
     """The worker, the API (and cron) until a signal or until one of them exits."""
-    env = {**os.environ, "REDIS_URL": redis_url}
+    # Files go under the data dir too, unless a store is named: the two commands need nothing else.
+    storage = ENV("FANOUT_STORAGE_URL") or "file://" + os.path.join(os.path.abspath(args.data_dir), "blobs")
+    env = {**os.environ, "REDIS_URL": redis_url, "FANOUT_STORAGE_URL": storage}
     me = [sys.executable, "-m", "worker.cli"]
     name = f"fanout-up-{socket.gethostname()}-{os.getpid()}"
     children = {"worker": me + ["worker", "--model", model, "--name", name,

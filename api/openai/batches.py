@@ -22,7 +22,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import ValidationError
 from redis.exceptions import WatchError
 
-from results import keys, progress, store
+from results import blobs, keys, progress, store
 from worker.settings import Settings
 
 from .. import jobs
@@ -162,7 +162,7 @@ def create(body: BatchCreate, request: Request):
                        if r["status"] == "validating" else None, settings.result_ttl)
 
     try:
-        lines = batchinput.parse(files.content(redis, f["id"], tenant), settings)
+        lines = batchinput.parse(blobs.lines(files.content(redis, st.blobs, f["id"], tenant)), settings)
         served = {m: models.image_schemes(redis, m) or [] for m in models.served(redis)}
         job = batchinput.job(lines, body.endpoint, served, priority=body.priority,
                              run_at=body.run_at, metadata=body.metadata or {})
@@ -178,18 +178,22 @@ def create(body: BatchCreate, request: Request):
     except (HTTPException, OverLimit, OpenAIError) as e:  # the key's rights or limits; the file gone
         failed([{"code": "rejected", "line": None, "message": str(getattr(e, "detail", e)), "param": None}])
         raise
+    except blobs.StoreError:  # the file's bytes unreadable now: a 503, and the batch says why
+        failed([{"code": "store_unavailable", "line": None, "param": None,
+                 "message": "the input file could not be read from the blob store; create the batch again"}])
+        raise
     record = _update(redis, batch_id, lambda r: {"status": "in_progress", "in_progress_at": int(time.time())}
                      if r["status"] == "validating" else None, settings.result_ttl)
     if record["status"] != "in_progress":  # cancelled while validating: its job must not run
         jobs.cancel(redis, job_id, settings)
-    return public(redis, advance(redis, settings, batch_id) or record)
+    return public(redis, advance(redis, settings, st.blobs, batch_id) or record)
 
 
 @router.get("/batches/{batch_id}", response_model=Batch)
 def retrieve(batch_id: str, request: Request):
     st = request.app.state
     _owned(st.redis, batch_id, request.state.tenant)
-    return public(st.redis, advance(st.redis, st.settings, batch_id))
+    return public(st.redis, advance(st.redis, st.settings, st.blobs, batch_id))
 
 
 @router.get("/batches", response_model=BatchList)
@@ -223,12 +227,12 @@ def cancel(batch_id: str, request: Request):
         raise OpenAIError(409, f"Cannot cancel a batch with status {record['status']}")
     _update(st.redis, batch_id, lambda r: {"status": "cancelling", "cancelling_at": int(time.time())}
             if r["status"] in ("validating", "in_progress") else None, st.settings.result_ttl)
-    return public(st.redis, advance(st.redis, st.settings, batch_id))
+    return public(st.redis, advance(st.redis, st.settings, st.blobs, batch_id))
 
 
 # -- moving batches along ----------------------------------------------------------------
 
-def advance(redis, settings: Settings, batch_id: str) -> dict | None:
+def advance(redis, settings: Settings, blob_store: blobs.Store, batch_id: str) -> dict | None:
     """One look at an open batch: expire or cancel its job when due, and once the job has
     ended write the output and error files (one API process at a time). Returns the record."""
     record = load(redis, batch_id)
@@ -259,10 +263,13 @@ def advance(redis, settings: Settings, batch_id: str) -> dict | None:
     if not ended or not lease.take():
         return record
     try:
-        return _finalize(redis, settings, batch_id, status, lease)
+        return _finalize(redis, settings, blob_store, batch_id, status, lease)
     except LostLease:
         log.warning("batches: %s took over %d s between renewals of its lease; another process "
                     "finalizes it", batch_id, LEASE)
+        return load(redis, batch_id)
+    except blobs.StoreError as e:  # its samples wait in Redis: the next sweep tries again
+        log.warning("batches: %s cannot be finalized yet: %s", batch_id, e)
         return load(redis, batch_id)
     finally:
         lease.release()
@@ -278,34 +285,43 @@ def _ending(record: dict, job_status: str | None) -> str:
     return "failed"
 
 
-def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None, lease: Lease) -> dict:
+def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str, job_status: str | None,
+              lease: Lease) -> dict:
     """Write the output and error files, then the final record, holding `lease` (renewed
     as the lines are built). A holder that died midway left the record `finalizing`: the
-    next one starts again from the stored samples, which no longer change."""
+    next one starts again from the stored samples, which no longer change. A blob store
+    that fails leaves it `finalizing` too, retried by the next sweep."""
     record = _update(redis, batch_id, lambda r: {"status": "finalizing", "finalizing_at": int(time.time()),
                                                  "_ending": _ending(r, job_status)}
                      if r["status"] in ("in_progress", "cancelling") else None, settings.result_ttl, lease)
     if record["status"] != "finalizing":
         return record  # another process finalized it meanwhile
     ending, job_id = record["_ending"], _job_id(batch_id)
-    output, errors, usage = _lines(redis, record, ending, lease)
+    # Ids made from the batch's: a second finalizer replaces these files, leaving no orphans.
+    ids = {"output": f"file-{job_id}-output", "error": f"file-{job_id}-error"}
+    for file_id in ids.values():
+        files.writing(redis, file_id)
+    with blob_store.writer(files.blob(ids["output"])) as output, blob_store.writer(files.blob(ids["error"])) as errors:
+        counts, usage = _lines(redis, record, ending, lease, output, errors)
+        if not counts["output"]:
+            output.abort()
+        if not counts["error"]:
+            errors.abort()
     done = {"status": ending, f"{ending}_at": int(time.time()),
             # Every line is counted once: answered, or in the error file (failed, or not run
             # because the batch was cancelled or expired first).
-            "request_counts": {"total": record["request_counts"]["total"], "completed": len(output),
-                               "failed": len(errors)},
+            "request_counts": {"total": record["request_counts"]["total"], "completed": counts["output"],
+                               "failed": counts["error"]},
             "usage": {"input_tokens": usage["prompt_tokens"],
                       "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                       "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage["total_tokens"]}}
-    tenant_id = record["_tenant"]
-    for field, lines, name in (("output_file_id", output, "output"), ("error_file_id", errors, "error")):
-        if lines:
-            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    for name, w in (("output", output), ("error", errors)):
+        if counts[name]:
             if not lease.renew():
                 raise LostLease(batch_id)
-            done[field] = files.save(redis, data, f"{batch_id}_{name}.jsonl", "batch_output", tenant_id,
-                                     settings.result_ttl, file_id=f"file-{job_id}-{name}")["id"]
+            done[f"{name}_file_id"] = files.record(redis, blob_store, ids[name], w.size, f"{batch_id}_{name}.jsonl",
+                                                   "batch_output", record["_tenant"], settings.result_ttl)["id"]
     if ending == "failed":
         info = progress.read(redis, job_id)
         done["errors"] = {"object": "list", "data": [{"code": "job_failed", "line": None, "param": None,
@@ -314,18 +330,26 @@ def _finalize(redis, settings: Settings, batch_id: str, job_status: str | None, 
                    lease)
 
 
-def _lines(redis, record: dict, ending: str, lease: Lease) -> tuple[list[dict], list[dict], dict]:
-    """(output lines, error lines, usage summed over the output) from the job's stored
-    samples; the lease renewed at each page."""
+def _lines(redis, record: dict, ending: str, lease: Lease, output: blobs.Writer,
+           errors: blobs.Writer) -> tuple[dict, dict]:
+    """Write the output and error lines from the job's stored samples, a page at a time
+    (the lease renewed at each); returns the count of each and the usage summed over the
+    output."""
     job_id = _job_id(record["id"])
     chat = record["endpoint"] == "/v1/chat/completions"
     make = bodies.chat_completion if chat else bodies.text_completion
     info = progress.read(redis, job_id)
     ns, created = (info["ns"] if info else []), int(time.time())
-    output, errors, answered = [], [], []
+    counts, usage = {"output": 0, "error": 0}, bodies.usage([])
+
+    def write(to, name: str, line: dict) -> None:
+        to.write(json.dumps(line).encode() + b"\n")
+        counts[name] += 1
+
     for offset in range(0, len(ns), 1000):
         if not lease.renew():
             raise LostLease(record["id"])
+        answered = []
         for item in store.page(redis, job_id, ns, offset, 1000):
             i, samples = item["index"], item["samples"]
             line = {"id": f"batch_req_{job_id}_{i}", "custom_id": item["custom_id"]}
@@ -333,17 +357,20 @@ def _lines(redis, record: dict, ending: str, lease: Lease) -> tuple[list[dict], 
             bad = next((s for s in samples if s["finish_reason"] == "error"), None)
             if bad is not None:
                 body = OpenAIError(400, bad["error"] or "error", code="invalid_prompt").body()
-                errors.append({**line, "response": {"status_code": 400, "request_id": request_id, "body": body},
-                               "error": None})
+                write(errors, "error", {**line, "response": {"status_code": 400, "request_id": request_id,
+                                                             "body": body}, "error": None})
             elif len(samples) == ns[i]:
                 body = make(f"{'chatcmpl' if chat else 'cmpl'}-{job_id}-{i}", created, record["model"], [samples])
-                output.append({**line, "response": {"status_code": 200, "request_id": request_id, "body": body},
-                               "error": None})
+                write(output, "output", {**line, "response": {"status_code": 200, "request_id": request_id,
+                                                              "body": body}, "error": None})
                 answered.append(samples)
             else:
                 code, message = LOST[ending if ending in LOST else "failed"]
-                errors.append({**line, "response": None, "error": {"code": code, "message": message}})
-    return output, errors, bodies.usage(answered)
+                write(errors, "error", {**line, "response": None, "error": {"code": code, "message": message}})
+        page = bodies.usage(answered)
+        usage = {k: ({"cached_tokens": usage[k]["cached_tokens"] + v["cached_tokens"]} if isinstance(v, dict)
+                     else usage[k] + v) for k, v in page.items()}
+    return counts, usage
 
 
 async def sweep(state) -> None:
@@ -351,15 +378,15 @@ async def sweep(state) -> None:
     while True:
         await anyio.sleep(1.0)
         try:
-            await anyio.to_thread.run_sync(_sweep_once, state.redis, state.settings)
+            await anyio.to_thread.run_sync(_sweep_once, state.redis, state.settings, state.blobs)
         except redis_lib.RedisError as e:
             log.warning("batches: redis unavailable (%s); trying again", e)
 
 
-def _sweep_once(redis, settings: Settings) -> None:
+def _sweep_once(redis, settings: Settings, blob_store: blobs.Store) -> None:
     for batch_id in redis.smembers(keys.batches_open()):
         try:
-            advance(redis, settings, batch_id.decode())
+            advance(redis, settings, blob_store, batch_id.decode())
         except redis_lib.RedisError:
             raise
         except Exception:  # noqa: BLE001 - one bad batch must not hold up the others

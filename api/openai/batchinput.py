@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import ValidationError
 
@@ -59,10 +59,19 @@ class Invalid(Exception):
         self.errors = errors
 
 
-def parse(content: bytes, settings: Settings) -> list[Request]:
-    """Every line, validated; raises Invalid with the first MAX_ERRORS errors."""
-    out, errors, seen = [], [], set()
-    for n, raw in enumerate(content.splitlines(), 1):
+def parse(lines: Iterable[bytes], settings: Settings) -> list[Request]:
+    """Every line (without its newline), validated; raises Invalid with the first MAX_ERRORS errors."""
+    return list(_read(lines, settings))
+
+
+def check(lines: Iterable[bytes], settings: Settings) -> int:
+    """parse() holding nothing but the custom ids (an upload of any size); returns the count."""
+    return sum(1 for _ in _read(lines, settings))
+
+
+def _read(lines: Iterable[bytes], settings: Settings) -> Iterator[Request]:
+    errors, seen, count = [], set(), 0
+    for n, raw in enumerate(lines, 1):
         if len(errors) >= MAX_ERRORS:
             break
         if not raw.strip():
@@ -92,17 +101,20 @@ def parse(content: bytes, settings: Settings) -> list[Request]:
             continue
         seen.add(line.custom_id)
         try:
-            out.append(Request(n, line.custom_id, line.url, body, _params(body, settings)))
+            request = Request(n, line.custom_id, line.url, body, _params(body, settings))
         except OpenAIError as e:
             errors.append(LineError(n, e.message, e.param and f"body.{e.param}"))
-    if len(out) + len(errors) > settings.batch_max_requests:
-        errors.append(LineError(None, f"{len(out) + len(errors)} requests, over the limit of "
+            continue
+        count += 1
+        if not errors:
+            yield request
+    if count + len(errors) > settings.batch_max_requests:
+        errors.append(LineError(None, f"{count + len(errors)} requests, over the limit of "
                                       f"{settings.batch_max_requests} (FANOUT_BATCH_MAX_REQUESTS)", code="too_many_requests"))
-    if not out and not errors:
+    if not count and not errors:
         errors.append(LineError(None, "the file has no requests", code="empty_file"))
     if errors:
         raise Invalid(errors)
-    return out
 
 
 def _error(n: int, e: ValidationError, prefix: str) -> LineError:

@@ -1,49 +1,68 @@
 """OpenAI files: batch input files (uploaded, validated line by line) and batch output and
 error files (written when a batch ends).
 
-They live in Redis, next to the jobs: the API is stateless (any process, on any host,
-serves any file, with no shared volume to set up), the batch that reads a file and the
-finalization that writes one can run in any API process, and Redis's append-only file
-already makes the service's state durable. The cost is memory: a file takes its size in
-Redis (input up to FANOUT_BATCH_MAX_FILE_BYTES); output files expire after
-FANOUT_RESULT_TTL, input files when DELETEd (or after `expires_after`)."""
+Their bytes live in the blob store (results/blobs.py: a folder, or an S3 bucket), their
+objects in Redis (keys.file, a small JSON: listing and quotas stay Redis reads). Bytes
+stream both ways and no process holds a whole file: an upload is spooled to disk by the
+form parser, validated line by line, then copied into the store; a download streams from
+it. A file's object expires (`expires_after`; FANOUT_RESULT_TTL for output files) or is
+deleted first, its bytes after: keys.files_due says when, and every API process's sweep
+deletes the due ones, so bytes that a store that was down kept are deleted once it is back,
+and bytes a process wrote before dying, with no object, are too."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from typing import Iterable, Iterator
 
 import anyio
+import redis as redis_lib
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 
 from redis.exceptions import WatchError
 
-from results import keys
+from results import blobs, keys
 
 from ..tenants import OverLimit
 from . import batchinput
 from .errors import OpenAIError, not_found
 from .schemas import FileDeleted, FileList, FileObject
 
+log = logging.getLogger("fanout.api")
 router = APIRouter()
 
 FORM = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
+ORPHAN = 3600  # seconds: bytes being written get this long to get their object, or are swept
+SWEEP = 10  # seconds between an API process's sweeps of due bytes
 
 
 def _tenant_id(tenant) -> str | None:
     return tenant.id if tenant else None
 
 
-def save(redis, content: bytes, filename: str, purpose: str, tenant_id: str | None, ttl: int | None,
-         file_id: str | None = None, quota: int | None = None) -> dict:
-    """Store a file (under `file_id` if given: saving again replaces it); returns its object.
-    `quota`: the tenant's file_bytes limit, checked against its live files of this purpose
-    in the same transaction as the save (OverLimit past it)."""
+def blob(file_id: str) -> str:
+    """The file's key in the blob store."""
+    return f"files/{file_id}.jsonl"
+
+
+def writing(redis, file_id: str) -> None:
+    """Before writing the file's bytes: if no object follows (the writer died), the sweep
+    deletes them."""
+    redis.zadd(keys.files_due(), {file_id: time.time() + ORPHAN})
+
+
+def record(redis, store, file_id: str, size: int, filename: str, purpose: str, tenant_id: str | None,
+           ttl: int | None, quota: int | None = None) -> dict:
+    """The object of a file whose bytes are in the store (under `file_id`: again replaces
+    it); returns it. `quota`: the tenant's file_bytes limit, checked against its live files
+    of this purpose in the same transaction (OverLimit past it; the bytes are then swept)."""
     now = int(time.time())
-    obj = {"id": file_id or "file-" + uuid.uuid4().hex, "object": "file", "bytes": len(content), "created_at": now,
-           "filename": filename, "purpose": purpose, "status": "processed",
-           "expires_at": now + ttl if ttl else None, "status_details": None}
+    obj = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
+           "purpose": purpose, "status": "processed", "expires_at": now + ttl if ttl else None,
+           "status_details": None}
     listed = keys.files(tenant_id)
     with redis.pipeline() as pipe:
         while True:
@@ -51,18 +70,33 @@ def save(redis, content: bytes, filename: str, purpose: str, tenant_id: str | No
                 if quota is not None:
                     pipe.watch(listed)  # an upload or delete of this tenant meanwhile: again
                     held = _held(pipe, listed, purpose)
-                    if held + len(content) > quota:
+                    if held + size > quota:
                         pipe.reset()
-                        raise OverLimit("file_bytes", f"{held} bytes of files kept and {len(content)} more, over "
+                        _drop(redis, store, file_id)
+                        raise OverLimit("file_bytes", f"{held} bytes of files kept and {size} more, over "
                                                       f"this API key's limit of {quota} (file_bytes)")
                 pipe.multi()
-                pipe.set(keys.file_content(obj["id"]), content, ex=ttl)
-                pipe.set(keys.file(obj["id"]), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
-                pipe.zadd(listed, {obj["id"]: now})
+                pipe.set(keys.file(file_id), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
+                pipe.zadd(listed, {file_id: now})
+                if ttl:
+                    pipe.zadd(keys.files_due(), {file_id: now + ttl})
+                else:
+                    pipe.zrem(keys.files_due(), file_id)
                 pipe.execute()
                 return obj
             except WatchError:
                 continue
+
+
+def save(redis, store, chunks: Iterable[bytes], filename: str, purpose: str, tenant_id: str | None,
+         ttl: int | None, quota: int | None = None) -> dict:
+    """A new file of these bytes; returns its object."""
+    file_id = "file-" + uuid.uuid4().hex
+    writing(redis, file_id)
+    with store.writer(blob(file_id)) as w:
+        for chunk in chunks:
+            w.write(chunk)
+    return record(redis, store, file_id, w.size, filename, purpose, tenant_id, ttl, quota)
 
 
 def _held(pipe, listed: str, purpose: str) -> int:
@@ -70,6 +104,17 @@ def _held(pipe, listed: str, purpose: str) -> int:
     ids = [i.decode() for i in pipe.zrange(listed, 0, -1)]
     records = pipe.mget([keys.file(i) for i in ids]) if ids else []
     return sum(o["bytes"] for o in (json.loads(r) for r in records if r) if o["purpose"] == purpose)
+
+
+def _drop(redis, store, file_id: str) -> None:
+    """Delete the bytes of a file without an object now, or leave them to the sweep."""
+    redis.zadd(keys.files_due(), {file_id: 0})
+    try:
+        store.delete(blob(file_id))
+    except blobs.StoreError as e:
+        log.warning("files: %s; the sweep deletes %s later", e, file_id)
+        return
+    redis.zrem(keys.files_due(), file_id)
 
 
 def get(redis, file_id: str, tenant) -> dict:
@@ -81,12 +126,19 @@ def get(redis, file_id: str, tenant) -> dict:
     return obj
 
 
-def content(redis, file_id: str, tenant) -> bytes:
+def content(redis, store, file_id: str, tenant) -> Iterator[bytes]:
+    """The file's bytes, in chunks (opened here: 404 or StoreError before the first)."""
     get(redis, file_id, tenant)
-    data = redis.get(keys.file_content(file_id))
-    if data is None:  # expired between the two reads
-        raise not_found("file", file_id)
-    return data
+    try:
+        return store.get(blob(file_id))
+    except blobs.Missing:  # expired between the two reads
+        raise not_found("file", file_id) from None
+
+
+def _chunks(f) -> Iterator[bytes]:
+    f.seek(0)
+    while chunk := f.read(blobs.CHUNK):
+        yield chunk
 
 
 @router.post("/files", response_model=FileObject)
@@ -104,18 +156,22 @@ async def upload(request: Request, file: UploadFile = File(description="JSONL, o
         raise OpenAIError(400, f"purpose {purpose!r}: only 'batch' files are supported here", "purpose")
     if (anchor is None) != (seconds is None) or anchor not in (None, "created_at"):
         raise OpenAIError(400, "expires_after: give anchor 'created_at' and seconds", "expires_after")
-    data = await file.read(st.settings.batch_max_file_bytes + 1)
-    if len(data) > st.settings.batch_max_file_bytes:
+    # The form parser spooled the upload to a temporary file (to disk past 1 MiB).
+    if file.size is None or file.size > st.settings.batch_max_file_bytes:
         raise OpenAIError(400, f"the file is over the limit of {st.settings.batch_max_file_bytes} bytes "
                                "(FANOUT_BATCH_MAX_FILE_BYTES)", "file")
-    try:
-        await anyio.to_thread.run_sync(batchinput.parse, data, st.settings)
-    except batchinput.Invalid as e:
-        raise OpenAIError(400, f"invalid batch file: {e}", "file", "invalid_file") from None
     tenant = request.state.tenant
     quota = tenant.limits.get("file_bytes") if tenant else None
-    return await anyio.to_thread.run_sync(lambda: save(st.redis, data, file.filename or "batch.jsonl", "batch",
-                                                       _tenant_id(tenant), seconds, quota=quota))
+
+    def check_and_save():
+        batchinput.check(blobs.lines(_chunks(file.file)), st.settings)
+        return save(st.redis, st.blobs, _chunks(file.file), file.filename or "batch.jsonl", "batch",
+                    _tenant_id(tenant), seconds, quota=quota)
+
+    try:
+        return await anyio.to_thread.run_sync(check_and_save)
+    except batchinput.Invalid as e:
+        raise OpenAIError(400, f"invalid batch file: {e}", "file", "invalid_file") from None
 
 
 @router.get("/files", response_model=FileList)
@@ -157,18 +213,50 @@ def get_file(file_id: str, request: Request):
     return get(request.app.state.redis, file_id, request.state.tenant)
 
 
-@router.get("/files/{file_id}/content", response_class=Response, responses={
+@router.get("/files/{file_id}/content", response_class=StreamingResponse, responses={
     200: {"content": {"application/jsonl": {"schema": {"type": "string"}}}, "description": "the file's bytes"}})
 def file_content(file_id: str, request: Request):
-    return Response(content(request.app.state.redis, file_id, request.state.tenant), media_type="application/jsonl")
+    st = request.app.state
+    size = get(st.redis, file_id, request.state.tenant)["bytes"]
+    return StreamingResponse(content(st.redis, st.blobs, file_id, request.state.tenant),
+                             media_type="application/jsonl", headers={"Content-Length": str(size)})
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted)
 def delete_file(file_id: str, request: Request):
-    redis, tenant = request.app.state.redis, request.state.tenant
-    get(redis, file_id, tenant)
-    with redis.pipeline() as pipe:
-        pipe.delete(keys.file(file_id), keys.file_content(file_id))
+    st, tenant = request.app.state, request.state.tenant
+    get(st.redis, file_id, tenant)
+    with st.redis.pipeline() as pipe:
+        pipe.delete(keys.file(file_id))
         pipe.zrem(keys.files(_tenant_id(tenant)), file_id)
         pipe.execute()
+    _drop(st.redis, st.blobs, file_id)
     return {"id": file_id, "deleted": True}
+
+
+async def sweep(state) -> None:
+    """Every API process, every SWEEP seconds: delete the bytes that are due."""
+    while True:
+        await anyio.sleep(SWEEP)
+        try:
+            await anyio.to_thread.run_sync(sweep_once, state.redis, state.blobs)
+        except (redis_lib.RedisError, blobs.StoreError) as e:
+            log.warning("files: cannot sweep (%s); trying again", e)
+
+
+def sweep_once(redis, store, now: float | None = None) -> int:
+    """Delete the due bytes of files without an object (a file saved again meanwhile gets
+    its new expiry instead); returns how many were deleted."""
+    due = [i.decode() for i in redis.zrangebyscore(keys.files_due(), "-inf", now or time.time(), 0, 500)]
+    deleted = 0
+    for file_id in due:
+        left = redis.pttl(keys.file(file_id))
+        if left == -1:  # an object that does not expire
+            redis.zrem(keys.files_due(), file_id)
+        elif left >= 0:
+            redis.zadd(keys.files_due(), {file_id: time.time() + left / 1000})
+        else:
+            store.delete(blob(file_id))
+            redis.zrem(keys.files_due(), file_id)
+            deleted += 1
+    return deleted
