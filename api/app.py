@@ -55,6 +55,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
         app.state.blobs = blobs.open_store(settings.storage_url)
         try:
+            files.same_store(app.state.redis, app.state.blobs)
+        except redis.RedisError as e:  # checked by the next process that starts with Redis up
+            logging.getLogger("fanout.api").warning("cannot check the blob store against Redis yet: %s", e)
+        try:
             if not tenants.enabled(app.state.redis):
                 logging.getLogger("fanout.api").warning(
                     "no API keys: every client sees every job (`fanout keys create` turns auth on)")

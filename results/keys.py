@@ -82,6 +82,12 @@ def file(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
 
 
+def storage() -> str:
+    """The blob store's URL, set by the first API process: every API process of a Redis must
+    use the same store (one that did not would write files the others cannot read)."""
+    return f"{PREFIX}:storage"
+
+
 def files_due() -> str:
     """Sorted set of file ids whose bytes the blob store may hold past their object, scored by
     when the sweep may delete them (the object's expiry; a deleted file's: at once)."""

@@ -39,6 +39,22 @@ ORPHAN = 3600  # seconds: bytes being written get this long to get their object,
 SWEEP = 10  # seconds between an API process's sweeps of due bytes
 
 
+class OtherStore(ValueError):
+    pass
+
+
+def same_store(redis, store) -> None:
+    """At an API process's start: its store is the one the others of this Redis use, or
+    OtherStore (which stops it)."""
+    redis.set(keys.storage(), store.url, nx=True)
+    used = (redis.get(keys.storage()) or b"").decode()
+    if used != store.url:
+        raise OtherStore(f"FANOUT_STORAGE_URL is {store.url} but this Redis's files are in {used} "
+                         f"({keys.storage()}): every API process must use the same blob store. To move "
+                         f"to another one, stop every API process and delete that key; the files in "
+                         f"{used} are then no longer served")
+
+
 def _tenant_id(tenant) -> str | None:
     return tenant.id if tenant else None
 

@@ -3,26 +3,41 @@
 what needs it with a clear error, and a batch that ended meanwhile is finalized, with every
 line, once the store is back."""
 import json
+import os
 import time
 import uuid
 
 import openai
 import pytest
 
-from conftest import start_api, wait_for
+from conftest import WorkerProc, start_api, wait_for
+from worker.redis_server import EmbeddedRedis, free_port
 from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
 
 
-@pytest.fixture
-def s3_api(s3_server, redis_url, worker, tmp_path):
+@pytest.fixture(scope="module")
+def s3_service(s3_server, model_dir, tmp_path_factory):
+    """Its own Redis, worker and API, the API's files in a bucket: the API processes of one
+    Redis share one store (each finalizes any batch), so the suite's own are kept apart."""
+    logs = tmp_path_factory.mktemp("s3-service")
+    server = EmbeddedRedis()
+    worker = WorkerProc(server.url, model_dir, logs)
+    worker.start()
     bucket = "fanout-" + uuid.uuid4().hex[:8]
     s3_server.client().create_bucket(Bucket=bucket)
-    proc, url = start_api(redis_url, tmp_path, "api-s3",
-                          env={**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a"})
-    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c, bucket, proc
+    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a"}
+    proc, url = start_api(server.url, logs, "api-s3", env=env)
+    yield {"url": url, "bucket": bucket, "proc": proc, "redis_url": server.url, "env": env, "logs": logs}
     proc.stop()
+    worker.stop()
+    server.stop()
+
+
+@pytest.fixture
+def s3_api(s3_service):
+    with openai.OpenAI(base_url=s3_service["url"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c, s3_service["bucket"], s3_service["proc"]
 
 
 def objects(s3_server, bucket) -> dict[str, int]:
@@ -30,7 +45,9 @@ def objects(s3_server, bucket) -> dict[str, int]:
     return {o["Key"]: o["Size"] for o in listed}
 
 
-def test_files_live_in_the_bucket_not_in_redis(s3_api, s3_server, redis):
+def test_files_live_in_the_bucket_not_in_redis(s3_api, s3_server, s3_service):
+    import redis as redis_lib
+    redis = redis_lib.Redis.from_url(s3_service["redis_url"])
     oai, bucket, _ = s3_api
     lines = [chat_line(f"q{i}", f"question {i}", max_tokens=4, temperature=0) for i in range(5)]
     data = jsonl(lines)
@@ -48,6 +65,19 @@ def test_files_live_in_the_bucket_not_in_redis(s3_api, s3_server, redis):
     assert f"tenant-a/files/{f.id}.jsonl" not in objects(s3_server, bucket)
     with pytest.raises(openai.NotFoundError):
         oai.files.content(f.id)
+    redis.close()
+
+
+def test_an_api_with_another_store_than_its_redis_has_does_not_start(s3_service):
+    """Files written to one store and served from another would be lost: refused at start."""
+    import subprocess
+    import sys
+    env = {**os.environ, **s3_service["env"], "FANOUT_STORAGE_URL": "file:///tmp/elsewhere"}
+    p = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(free_port()), "--redis-url",
+                        s3_service["redis_url"]], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert (f"FANOUT_STORAGE_URL is file:///tmp/elsewhere but this Redis's files are in "
+            f"s3://{s3_service['bucket']}/tenant-a") in p.stderr, p.stderr
 
 
 def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, s3_server):
