@@ -119,14 +119,14 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
     assert json.loads(oai.files.content(b.output_file_id).text.splitlines()[0])["custom_id"] == "q0"
 
 
-def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(redis_url, tmp_path):
+def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_path):
     import redis as redis_lib
 
     from api.openai import files
     from results import blobs
 
-    r = redis_lib.Redis.from_url(redis_url, db=7)  # a database of its own: the sweep looks at every due file
-    r.flushdb()
+    server = EmbeddedRedis()  # a Redis of its own: the sweep looks at every due file
+    r = redis_lib.Redis.from_url(server.url)
     store = blobs.open_store(str(tmp_path))
 
     def there(file_id):
@@ -148,5 +148,5 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(redis
     assert files.sweep_once(r, store, now=time.time() + files.ORPHAN + 1) == 1
     assert not there("file-orphan") and there(later["id"])
     assert r.zscore(keys.files_due(), later["id"]) > time.time() + 3000
-    r.flushdb()
     r.close()
+    server.stop()
