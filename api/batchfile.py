@@ -1,53 +1,163 @@
-"""JSONL batch files, the input of `fanout submit`, `fanout generate` and cron entries.
+"""Batch files, the input of `fanout submit`, `fanout generate` and cron entries, and the
+results files `fanout submit --out` and `fanout results --out` write.
 
-One item per line: {"prompt": "..."} | {"input_ids": [...]} | {"messages": [...]}, with an
-optional per-item "sampling_params" object and "custom_id" (returned with the item's
-results); a bare JSON string is a prompt. Every line of a file uses the same input field.
+JSONL: one item per line: {"prompt": "..."} | {"input_ids": [...]} | {"messages": [...]},
+with an optional per-item "sampling_params" object and "custom_id" (returned with the
+item's results); a bare JSON string is a prompt. Every line of a file uses the same input
+field.
+
+Parquet (a file named *.parquet; pyarrow): the same as columns, one item per row: one of
+`prompt` (string), `input_ids` (list of integers), `messages` (a list of {role, content}
+structs, or the chat as JSON text); maybe `custom_id` (string) and `sampling_params` (a
+struct, or JSON text). Results in Parquet are one row per item, in input order (RESULTS).
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 FIELDS = {"prompt": "prompts", "input_ids": "input_ids", "messages": "messages"}
+ROWS = 1024  # Parquet rows read, or items written, per batch
 
 
 class BatchFileError(ValueError):
     pass
 
 
-def read(path: str) -> tuple[str, list, list[dict | None], list[str | None]]:
-    """(kind: prompts / input_ids / messages, items, per-line sampling params or None,
-    per-line custom ids or None)."""
-    kind, items, params, custom = None, [], [], []
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise BatchFileError("Parquet files need pyarrow: pip install 'fanout[parquet]'") from None
+    return pyarrow
+
+
+def is_parquet(path: str) -> bool:
+    return path.lower().endswith(".parquet")
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield f"{path}:{n}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise BatchFileError(f"{path}:{n}: not JSON: {e}") from None
-            if isinstance(obj, str):
-                obj = {"prompt": obj}
-            given = [k for k in FIELDS if k in obj] if isinstance(obj, dict) else []
-            if len(given) != 1:
-                raise BatchFileError(f"{path}:{n}: give exactly one of prompt, input_ids, messages")
-            if kind not in (None, FIELDS[given[0]]):
-                raise BatchFileError(f"{path}:{n}: every line must use the same field as the first")
-            kind = FIELDS[given[0]]
-            items.append(obj[given[0]])
-            params.append(obj.get("sampling_params"))
-            custom.append(obj.get("custom_id"))
+
+
+def _no_nulls(v):
+    """A Parquet struct has every field of its type, null where a row has none: drop those,
+    as a JSON object would not have them."""
+    if isinstance(v, dict):
+        return {k: _no_nulls(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_no_nulls(x) for x in v]
+    return v
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
+    pa = _pyarrow()
+    try:
+        f = pa.parquet.ParquetFile(path)
+    except pa.ArrowException as e:
+        raise BatchFileError(f"{path}: not a Parquet file: {e}") from None
+    n = 0
+    for batch in f.iter_batches(batch_size=ROWS):
+        for row in batch.to_pylist():
+            n += 1
+            where = f"{path}: row {n}"
+            obj = {}
+            for k, v in row.items():
+                if v is None:
+                    continue
+                if k in ("messages", "sampling_params") and isinstance(v, str):  # JSON text
+                    try:
+                        v = json.loads(v)
+                    except json.JSONDecodeError as e:
+                        raise BatchFileError(f"{where}: {k}: not JSON: {e}") from None
+                obj[k] = _no_nulls(v)
+            yield where, obj
+
+
+def read(path: str) -> tuple[str, list, list[dict | None], list[str | None]]:
+    """(kind: prompts / input_ids / messages, items, per-item sampling params or None,
+    per-item custom ids or None)."""
+    kind, items, params, custom = None, [], [], []
+    for where, obj in (_parquet_rows if is_parquet(path) else _jsonl_rows)(path):
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
+        given = [k for k in FIELDS if k in obj] if isinstance(obj, dict) else []
+        if len(given) != 1:
+            raise BatchFileError(f"{where}: give exactly one of prompt, input_ids, messages")
+        if kind not in (None, FIELDS[given[0]]):
+            raise BatchFileError(f"{where}: every item must use the same field as the first")
+        kind = FIELDS[given[0]]
+        items.append(obj[given[0]])
+        params.append(obj.get("sampling_params"))
+        custom.append(obj.get("custom_id"))
     if not items:
         raise BatchFileError(f"{path}: no items")
     return kind, items, params, custom
 
 
 def job_body(path: str, sampling_params: dict[str, Any] | None = None, **fields) -> dict[str, Any]:
-    """A POST /v1/jobs body: the file's items; per-line sampling params override the shared ones."""
+    """A POST /v1/jobs body: the file's items; per-item sampling params override the shared ones."""
     kind, items, per_line, custom = read(path)
     base = sampling_params or {}
     sp: Any = [{**base, **(p or {})} for p in per_line] if any(per_line) else base
     ids = {"custom_ids": custom} if any(c is not None for c in custom) else {}
     return {kind: items, "sampling_params": sp, **ids, **fields}
+
+
+# A results row: the item's index and custom id, and its samples as /results has them; the
+# fields that a sample has only when asked (logprobs, prompt_logprobs, tool_calls, content)
+# are JSON text.
+JSON_TEXT = ("logprobs", "prompt_logprobs", "tool_calls", "content")
+
+
+def _results_schema(pa):
+    usage = pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                       ("cached_tokens", pa.int64())])
+    sample = pa.struct([("sample", pa.int64()), ("text", pa.string()), ("token_ids", pa.list_(pa.int64())),
+                        ("finish_reason", pa.string()), ("error", pa.string()), ("usage", usage),
+                        *((k, pa.string()) for k in JSON_TEXT)])
+    return pa.schema([("index", pa.int64()), ("custom_id", pa.string()), ("samples", pa.list_(sample))])
+
+
+def _row(item: dict) -> dict:
+    samples = []
+    for s in item["samples"]:
+        row = {k: s.get(k) for k in ("sample", "text", "token_ids", "finish_reason", "error")}
+        row["usage"] = {k: (s.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens",
+                                                                  "cached_tokens")}
+        row.update({k: json.dumps(s[k], ensure_ascii=False) if s.get(k) is not None else None for k in JSON_TEXT})
+        samples.append(row)
+    return {"index": item["index"], "custom_id": item.get("custom_id"), "samples": samples}
+
+
+def write_results(items: Iterable[dict], out) -> None:
+    """Results items (as /results pages them) to `out`: a path (*.parquet: Parquet, else
+    JSONL) or a text stream (JSONL). Written a batch at a time."""
+    if isinstance(out, str) and is_parquet(out):
+        pa = _pyarrow()
+        schema = _results_schema(pa)
+        with pa.parquet.ParquetWriter(out, schema) as w:
+            rows = []
+            for item in items:
+                rows.append(_row(item))
+                if len(rows) == ROWS:
+                    w.write_table(pa.Table.from_pylist(rows, schema=schema))
+                    rows.clear()
+            if rows:
+                w.write_table(pa.Table.from_pylist(rows, schema=schema))
+        return
+    f = open(out, "w") if isinstance(out, str) else out
+    try:
+        for item in items:
+            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+    finally:
+        if isinstance(out, str):
+            f.close()

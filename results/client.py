@@ -57,9 +57,11 @@ class Client:
 
     def submit(self, body: dict | None = None, idempotency_key: str | None = None, **fields) -> dict:
         """POST /v1/jobs with `body` (or keyword fields: prompts=..., sampling_params=...).
-        Returns {id, status, stream, seed, items}."""
+        Returns {id, status, stream, seed, items, replayed}."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return _check(self.http.post("/v1/jobs", json={**(body or {}), **fields}, headers=headers))
+        r = self.http.post("/v1/jobs", json={**(body or {}), **fields}, headers=headers)
+        # `replayed`: the key was used before with this body; this is that job.
+        return {**_check(r), "replayed": r.headers.get("Idempotent-Replayed") == "true"}
 
     def status(self, job_id: str) -> dict:
         return _check(self.http.get(f"/v1/jobs/{job_id}"))
@@ -69,13 +71,16 @@ class Client:
 
     def results(self, job_id: str, page_size: int = 1000) -> list[dict]:
         """Every item, in index order, with its finished samples."""
-        items, offset = [], 0
+        return list(self.iter_results(job_id, page_size))
+
+    def iter_results(self, job_id: str, page_size: int = 1000) -> Iterator[dict]:
+        """results(), a page at a time: memory for one page, whatever the job's size."""
+        offset = 0
         while offset is not None:
             page = _check(self.http.get(f"/v1/jobs/{job_id}/results",
                                         params={"offset": offset, "limit": page_size}))
-            items += page["items"]
+            yield from page["items"]
             offset = page["next_offset"]
-        return items
 
     def events(self, job_id: str, last_event_id: str | None = None, timeout: float | None = None,
                retries: int = 5) -> Iterator[tuple[str, dict]]:

@@ -41,7 +41,9 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 BATCH_FILE = """\
 A batch file (JSONL) has one item per line: {"prompt": "..."}, {"input_ids": [...]} or
 {"messages": [{"role": "user", "content": "..."}]} (every line the same kind), maybe with its
-own "sampling_params"; a bare JSON string is a prompt.
+own "sampling_params" and "custom_id"; a bare JSON string is a prompt. A *.parquet file has
+the same as columns, one item per row: prompt, input_ids or messages (structs, or the chat
+as JSON text), maybe custom_id and sampling_params (pip install 'fanout[parquet]').
 """
 
 
@@ -127,9 +129,10 @@ examples:
   fanout submit prompts.jsonl --max-new-tokens 64 --n 2 --out results.jsonl
   fanout submit prompts.jsonl --stream --temperature 0.7 --metadata team=search --metadata run=7
   fanout submit prompts.jsonl --no-wait --idempotency-key nightly-2026-11-29 --priority low
+  fanout submit data.parquet --max-new-tokens 128 --out answers.parquet
 
 """ + BATCH_FILE, cmd_submit)
-    p.add_argument("file", help="JSONL batch file (below)")
+    p.add_argument("file", help="batch file, JSONL or Parquet (below)")
     p.add_argument("--url", **url)
     p.add_argument("--api-key", **api_key)
     sampling_flags(p)
@@ -140,9 +143,14 @@ examples:
                    help="key=value, or a JSON object of strings; repeatable (16 pairs at most, keys "
                         "up to 64 characters, values up to 512)")
     p.add_argument("--idempotency-key", default=None,
-                   help="submitting again with this key, the same file and flags returns the same job")
+                   help="submitting again with this key, the same file and flags returns the same job "
+                        "(default: a key made from the file and the flags, so a run interrupted and run "
+                        "again follows the job it made)")
+    p.add_argument("--new", action="store_true", help="submit a new job even if this file and these flags "
+                                                      "made one before")
     p.add_argument("--stream", action="store_true", help="print samples (JSONL) as they finish")
-    p.add_argument("--out", default=None, help="write the results (JSONL) here instead of stdout")
+    p.add_argument("--out", default=None, help="write the results here instead of stdout: JSONL, or "
+                                               "Parquet for a *.parquet path (one row per item, input order)")
     p.add_argument("--no-wait", action="store_true", help="print the job (JSON) and return")
 
     for name, fn, text, example, in (
@@ -183,8 +191,9 @@ example:
   fanout generate prompts.jsonl results.jsonl --model PATH --max-new-tokens 64 --n 2
 
 """ + BATCH_FILE, cmd_generate)
-    p.add_argument("input", help="JSONL batch file (below)")
-    p.add_argument("output", help="results, one JSON line per item in index order")
+    p.add_argument("input", help="batch file, JSONL or Parquet (below)")
+    p.add_argument("output", help="results, one JSON line per item in index order (Parquet for a *.parquet "
+                                  "path: one row per item)")
     model_flag(p, "local HF model folder, .gguf file or Hub id (required)")
     add_options(p, ENGINE_OPTIONS)
     sampling_flags(p)

@@ -4,6 +4,7 @@ results, cancel), manage API keys in Redis (keys), or generate offline (generate
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -144,6 +145,13 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, ensure_ascii=False))
 
 
+def submit_key(body: dict) -> str:
+    """The idempotency key `fanout submit` derives from what it submits: the same file and
+    flags again attach to the job they made instead of submitting it twice."""
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return "fanout-submit-" + digest[:40]
+
+
 def cmd_submit(args) -> None:
     from tqdm import tqdm
 
@@ -155,15 +163,18 @@ def cmd_submit(args) -> None:
     if args.metadata:
         body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
     spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
+    key = args.idempotency_key or (None if args.new else submit_key(body))
     with Client(args.url, api_key=args.api_key) as client:
-        job = client.submit(body, idempotency_key=args.idempotency_key)
-        print(f"job {job['id']} ({job['items']} items, seed {job['seed']})", file=sys.stderr)
+        job = client.submit(body, idempotency_key=key)
+        again = " (submitted before with this file and these flags: following it; --new submits " \
+                "another)" if job.get("replayed") else ""
+        print(f"job {job['id']} ({job['items']} items, seed {job['seed']}){again}", file=sys.stderr)
         if args.no_wait:
-            _print_json(job)
+            _print_json({k: v for k, v in job.items() if k != "replayed"})
             return
         total = job["items"]
         left = dict(enumerate(p.n for p in spec.sampling_params))
-        bar = tqdm(total=total, unit="item", file=sys.stderr)
+        bar = tqdm(total=total, unit="row", file=sys.stderr)
         status = None
         for _, entry in client.events(job["id"]):
             if entry["type"] in ("final", "error"):
@@ -183,17 +194,7 @@ def cmd_submit(args) -> None:
             info = client.status(job["id"])
             raise SystemExit(f"job {job['id']} {info['status']}: {info['error']}")
         if not args.stream:
-            _write_items(client.results(job["id"]), args.out)
-
-
-def _write_items(items, out: str | None) -> None:
-    f = open(out, "w") if out else sys.stdout
-    try:
-        for item in items:
-            f.write(json.dumps(item, ensure_ascii=False) + "\n")
-    finally:
-        if out:
-            f.close()
+            batchfile.write_results(client.iter_results(job["id"]), args.out or sys.stdout)
 
 
 def cmd_status(args) -> None:
@@ -211,7 +212,7 @@ def cmd_results(args) -> None:
 
     with Client(args.url, api_key=args.api_key) as c:
         info = c.status(args.id)
-        _write_items(c.results(args.id), args.out)
+        batchfile.write_results(c.iter_results(args.id), args.out or sys.stdout)
     if info["status"] not in events.TERMINAL:  # partial: say so, and exit so that scripts notice
         p = info["progress"]
         print(f"fanout results: job {args.id} is {info['status']}: {p['done']} of {p['total']} items "
@@ -267,11 +268,9 @@ def cmd_generate(args) -> None:
                 bar.update(1)
         bar.set_postfix_str(f"{_rate(tokens, time.monotonic() - t0)} tok/s", refresh=False)
     bar.close()
-    with open(args.output, "w") as f:
-        for i in range(len(items)):
-            out = [{"sample": j, **s} for j, s in sorted(samples[i].items())]
-            f.write(json.dumps({"index": i, "custom_id": spec.custom_id(i), "samples": out},
-                               ensure_ascii=False) + "\n")
+    batchfile.write_results(({"index": i, "custom_id": spec.custom_id(i),
+                              "samples": [{"sample": j, **s} for j, s in sorted(samples[i].items())]}
+                             for i in range(len(items))), args.output)
     dt = time.monotonic() - t0
     print(f"{len(items)} items, {tokens} tokens in {dt:.1f}s ({_rate(tokens, dt)} tok/s) "
           f"-> {args.output}", file=sys.stderr)

@@ -33,7 +33,7 @@ def test_batch_file_errors_name_the_line(tmp_path):
     assert batchfile.read(write_lines(tmp_path / "ok.jsonl", ["a", {"prompt": "b", "sampling_params": {"n": 2},
                                                                     "custom_id": "q-b"}])) \
         == ("prompts", ["a", "b"], [None, {"n": 2}], [None, "q-b"])
-    with pytest.raises(batchfile.BatchFileError, match=r"bad.jsonl:2: every line must use the same field"):
+    with pytest.raises(batchfile.BatchFileError, match=r"bad.jsonl:2: every item must use the same field"):
         batchfile.read(write_lines(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"input_ids": [1]}]))
     with pytest.raises(batchfile.BatchFileError, match=r"two.jsonl:1: give exactly one"):
         batchfile.read(write_lines(tmp_path / "two.jsonl", [{"prompt": "a", "messages": []}]))
@@ -54,6 +54,79 @@ def test_generate_offline_matches_the_engine(tmp_path, model_dir, engine, capsys
     err = capsys.readouterr().err
     assert "tok/s" in err and "3/3" in err  # the progress bar: items done and throughput
     assert commands._rate(5, 20.0) == "0.25" and commands._rate(123456, 1.0) == "1.23e+05"
+
+
+def test_parquet_batch_files_read_as_jsonl_ones(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(name, **columns):
+        pq.write_table(pa.table(columns), tmp_path / name)
+        return str(tmp_path / name)
+
+    # Per-row sampling params as a struct: null where a row has none, as a JSON object would not.
+    assert batchfile.read(parquet("p.parquet", prompt=["a", "b"], custom_id=["x", None],
+                                  sampling_params=[{"n": 2, "temperature": None}, {"n": None, "temperature": 0.5}])) \
+        == ("prompts", ["a", "b"], [{"n": 2}, {"temperature": 0.5}], ["x", None])
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "yo"}]]
+    for given in (chats, [json.dumps(c) for c in chats]):  # structs, or the chat as JSON text
+        assert batchfile.read(parquet("c.parquet", messages=given)) == ("messages", chats, [None, None], [None, None])
+    assert batchfile.read(parquet("i.parquet", input_ids=[[1, 2], [3]]))[:2] == ("input_ids", [[1, 2], [3]])
+    with pytest.raises(batchfile.BatchFileError, match=r"n.parquet: row 2: give exactly one of prompt"):
+        batchfile.read(parquet("n.parquet", prompt=["a", None]))
+    with pytest.raises(batchfile.BatchFileError, match=r"j.parquet: row 1: messages: not JSON"):
+        batchfile.read(parquet("j.parquet", messages=["[{"]))
+    (tmp_path / "x.parquet").write_text('{"prompt": "not parquet"}\n')
+    with pytest.raises(batchfile.BatchFileError, match=r"x.parquet: not a Parquet file"):
+        batchfile.read(str(tmp_path / "x.parquet"))
+
+
+def test_submit_parquet_in_parquet_out_in_row_order_a_bad_row_alone(tmp_path, api_url, worker, engine, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = [f"row {i} of the table" for i in range(12)]
+    prompts[5] = "word " * 1100  # over the tiny model's context: this row fails, the others do not
+    ids = [f"r{i}" for i in range(12)]
+    pq.write_table(pa.table({"prompt": prompts, "custom_id": ids}), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    main(["submit", str(tmp_path / "in.parquet"), "--url", api_url, "--max-new-tokens", "4", "--temperature", "0",
+          "--out", str(out)])
+    rows = pq.read_table(out).to_pylist()
+    assert [r["index"] for r in rows] == list(range(12)) and [r["custom_id"] for r in rows] == ids
+    ref = engine.generate(prompts=prompts, sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
+    for i, r in enumerate(rows):
+        (s,) = r["samples"]
+        if i == 5:
+            assert s["finish_reason"] == "error" and "context" in s["error"], s
+        else:
+            assert s["token_ids"] == ref[i].samples[0].token_ids and s["text"] == ref[i].samples[0].text
+            assert s["usage"]["completion_tokens"] == 4 and s["error"] is None and s["logprobs"] is None
+
+
+def test_submit_run_again_follows_the_job_it_made(tmp_path, api_url, worker, capsys):
+    """An interrupted `fanout submit`, run again with the same file and flags, attaches to
+    the job it made (a key derived from them) instead of submitting it twice; --new does."""
+    tag = uuid.uuid4().hex  # a file no earlier run submitted
+    src = write_lines(tmp_path / "long.jsonl", [{"prompt": f"{tag} {i}"} for i in range(4)])
+    flags = ["--url", api_url, "--max-new-tokens", "200", "--ignore-eos"]
+    p = subprocess.Popen([sys.executable, "-m", "worker.cli", "submit", src, *flags], cwd=ROOT, text=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+    first = re.match(r"job (\w+) ", p.stderr.readline()).group(1)
+    p.kill()  # interrupted: its job goes on
+    p.wait()
+    p.stderr.close()
+    out = tmp_path / "out.jsonl"
+    main(["submit", src, *flags, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert f"job {first} (4 items" in err and "submitted before with this file and these flags" in err
+    items = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [len(it["samples"]) for it in items] == [1] * 4
+    assert all(it["samples"][0]["usage"]["completion_tokens"] == 200 for it in items)
+    main(["submit", src, *flags, "--new", "--no-wait"])
+    again = json.loads(capsys.readouterr().out)
+    assert again["id"] != first and "replayed" not in again
+    main(["cancel", again["id"], "--url", api_url])
 
 
 def test_submit_status_results(tmp_path, api_url, worker, capsys):
