@@ -28,8 +28,8 @@ from swagger_ui_bundle import swagger_ui_path
 from results import blobs
 from worker.settings import Settings
 
-from . import auth, metrics, openapi, streams, tenants, tokenize
-from .openai import batches, files
+from . import auth, metrics, openapi, streams, sweep, tenants, tokenize
+from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
 from .openai.errors import OpenAIError, from_validation, is_openai
@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
         app.state.blobs = blobs.open_store(settings.storage_url)
         try:
-            files.same_store(app.state.redis, app.state.blobs)
+            blobs.same_store(app.state.redis, app.state.blobs)
         except redis.RedisError as e:  # checked by the next process that starts with Redis up
             logging.getLogger("fanout.api").warning("cannot check the blob store against Redis yet: %s", e)
         try:
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.hub = streams.Hub(settings.redis_url, app.state.aredis, settings.max_streams, revoked)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(batches.sweep, app.state)  # OpenAI batches: expiry, finalization
-            tasks.start_soon(files.sweep, app.state)  # the bytes of expired and deleted files
+            tasks.start_soon(sweep.run, app.state)  # the blob store: expired files' bytes, jobs' items
             tasks.start_soon(app.state.hub.run)  # every followed stream, one reader
             yield
             tasks.cancel_scope.cancel()

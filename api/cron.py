@@ -30,6 +30,7 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 
 from starlette.exceptions import HTTPException
 
+from results import blobs
 from worker.settings import Settings
 from worker.spec import JOB_FUNC, QUEUES
 
@@ -69,8 +70,9 @@ class SubmitJob(CronJob):
     def enqueue(self, connection) -> dict | None:
         """Submit one run; its JobCreated body (rq's scheduler does not use what this returns)."""
         try:
-            created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection))
-        except (ValueError, OSError, tenants.OverLimit, HTTPException) as e:  # pydantic's errors too
+            created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection),
+                                  store=blobs.open_store(self.settings.storage_url))
+        except (ValueError, OSError, tenants.OverLimit, HTTPException, blobs.StoreError) as e:  # pydantic's too
             log.error("cron job %s: this run is skipped: %s", self.name, getattr(e, "detail", e))
             return None
         with connection.pipeline() as pipe:

@@ -19,7 +19,7 @@ from redis.exceptions import WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from results import events, keys, progress, publisher
+from results import blobs, events, keys, progress, publisher
 from results import listing as results_listing
 
 from worker import shards
@@ -51,10 +51,12 @@ class Claimed(Exception):
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
            spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None,
-           tenant: Tenant | None = None) -> dict[str, Any]:
+           tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
-    transaction. `spec` is req.spec() unless given. `idempotency` = (key, body hash): the
-    key is claimed in that same transaction, so a claim never exists without its job;
+    transaction. `spec` is req.spec() unless given. With a blob `store`, items over
+    FANOUT_ITEMS_STORE_BYTES go there first (StoreError if it cannot take them).
+    `idempotency` = (key, body hash): the key is claimed in that same transaction, so a
+    claim never exists without its job;
     raises Claimed if the key was taken. `tenant` (None in open mode) owns the job: its
     rights and limits are checked (HTTPException 403, OverLimit) and the job takes one of
     its in-flight slots, given back by publisher.close. Returns the JobCreated body."""
@@ -74,50 +76,67 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
             "created_at": progress.timestamp()}
     if req.run_at:
         info["run_at"] = req.run_at.isoformat()
+    lay = shards.layout(spec, settings)
+    in_store = store is not None and lay.size > settings.items_store_bytes
+    lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
     slots = keys.inflight(tenant.id) if tenant else None
+    claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
+    if in_store:
+        if claim and (stored := redis.get(claim)) is not None:
+            raise Claimed(json.loads(stored))  # before writing what that job already has
+        # Due before they are written: once the job has expired, or if it is not created
+        # (then at once, below), the sweep deletes them (api/sweep.py).
+        due = {keys.due_job(job_id, len(lay.chunks)): time.time() + lasts}
+        redis.zadd(keys.blobs_due(), due)
+        shards.store_items(store, job_id, lay)
     listed = keys.jobs(tenant.id if tenant else None)
     info["listed"] = listed  # the status scripts move it between its listing's indexes
     if tenant:
         info.update(tenant=tenant.id, slot=slots)
-    claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
     max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
-    with redis.pipeline() as pipe:
-        while True:
-            if claim:
-                pipe.watch(claim)  # a request claiming the key meanwhile aborts this transaction
-                stored = pipe.get(claim)
-                if stored is not None:
-                    pipe.reset()
-                    raise Claimed(json.loads(stored))
-            if max_jobs is not None:
-                pipe.watch(slots)  # another of the tenant's submits (or a job ending) meanwhile: again
-                if int(pipe.get(slots) or 0) >= max_jobs:
-                    pipe.reset()
-                    raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
-                                                      "API key's limit (jobs_in_flight)")
-            pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
-            info.update(shards.create(pipe, q, job_id, spec, settings, req.run_at))
-            if slots:
-                pipe.incr(slots)
-            if claim:
-                pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": spec.seed,
-                                            "items": req.size}), ex=settings.result_ttl)
-            pipe.hset(keys.info(job_id), mapping=info)
-            pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
-            if spec.custom_ids:
-                pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in spec.custom_ids])
-            # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
-            for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id), keys.items(job_id),
-                      keys.shards(job_id)):
-                pipe.expire(k, wait + settings.job_timeout + settings.result_ttl)
-            # The listing: entries of expired jobs go when a listing meets them, or at this age.
-            now = time.time()
-            results_listing.add(pipe, listed, job_id, status, now, now - settings.job_timeout - settings.result_ttl)
-            try:
-                pipe.execute()
-                break
-            except WatchError:  # claimed (or a slot taken) by another request first: look again
-                continue
+    try:
+        with redis.pipeline() as pipe:
+            while True:
+                if claim:
+                    pipe.watch(claim)  # a request claiming the key meanwhile aborts this transaction
+                    stored = pipe.get(claim)
+                    if stored is not None:
+                        pipe.reset()
+                        raise Claimed(json.loads(stored))
+                if max_jobs is not None:
+                    pipe.watch(slots)  # another of the tenant's submits (or a job ending) meanwhile: again
+                    if int(pipe.get(slots) or 0) >= max_jobs:
+                        pipe.reset()
+                        raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
+                                                          "API key's limit (jobs_in_flight)")
+                pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
+                info.update(shards.create(pipe, q, job_id, spec, lay, settings, req.run_at, in_store))
+                if slots:
+                    pipe.incr(slots)
+                if claim:
+                    pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": spec.seed,
+                                                "items": req.size}), ex=settings.result_ttl)
+                pipe.hset(keys.info(job_id), mapping=info)
+                pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
+                if spec.custom_ids:
+                    pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in spec.custom_ids])
+                # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
+                for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id), keys.items(job_id),
+                          keys.shards(job_id)):
+                    pipe.expire(k, lasts)
+                # The listing: entries of expired jobs go when a listing meets them, or at this age.
+                now = time.time()
+                results_listing.add(pipe, listed, job_id, status, now,
+                                    now - settings.job_timeout - settings.result_ttl)
+                try:
+                    pipe.execute()
+                    break
+                except WatchError:  # claimed (or a slot taken) by another request first: look again
+                    continue
+    except BaseException:
+        if in_store:  # no job holds them: the sweep deletes them at once
+            redis.zadd(keys.blobs_due(), {m: 0 for m in due})
+        raise
     return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": spec.seed,
             "items": req.size}
 

@@ -90,7 +90,7 @@ def submit(req: JobRequest, request: Request, response: Response,
         idempotency = (idempotency_key, hashlib.sha256(req.model_dump_json().encode()).hexdigest())
     try:
         body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency,
-                           tenant=request.state.tenant)
+                           tenant=request.state.tenant, store=st.blobs)
     except jobs.Claimed as e:
         body = _replay(st.redis, e.stored, idempotency[1])
         response.headers["Idempotent-Replayed"] = "true"

@@ -32,6 +32,24 @@ class Missing(KeyError):
     """No object under this key."""
 
 
+class OtherStore(ValueError):
+    """This process's store is not the one the others of its Redis use."""
+
+
+def same_store(redis, store) -> None:
+    """At an API process's or a worker's start: its store is the one the others of this
+    Redis use (the first one's, in keys.storage), or OtherStore, which stops it."""
+    from . import keys
+
+    redis.set(keys.storage(), store.url, nx=True)
+    used = (redis.get(keys.storage()) or b"").decode()
+    if used != store.url:
+        raise OtherStore(f"FANOUT_STORAGE_URL is {store.url} but this Redis's files are in {used} "
+                         f"({keys.storage()}): every API process and worker must use the same blob store. "
+                         f"To move to another one, stop them all and delete that key; what is in {used} "
+                         f"is then no longer served")
+
+
 def lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
     """The lines of a stream of chunks, without their b"\\n" (a last line without one too)."""
     rest = b""

@@ -83,15 +83,24 @@ def file(file_id: str) -> str:
 
 
 def storage() -> str:
-    """The blob store's URL, set by the first API process: every API process of a Redis must
-    use the same store (one that did not would write files the others cannot read)."""
+    """The blob store's URL, set by the first API process or worker: all of a Redis's must use
+    the same store (one that did not would write what the others cannot read)."""
     return f"{PREFIX}:storage"
 
 
-def files_due() -> str:
-    """Sorted set of file ids whose bytes the blob store may hold past their object, scored by
-    when the sweep may delete them (the object's expiry; a deleted file's: at once)."""
-    return f"{PREFIX}:files:due"
+def blobs_due() -> str:
+    """Sorted set of what the blob store may hold past its owner, scored by when the sweep
+    (api/sweep.py) may delete it: `file:<id>` (a file's bytes, due when its object expires;
+    a deleted file's at once) and `job:<id>:<shards>` (a job's items, due when it expires)."""
+    return f"{PREFIX}:blobs:due"
+
+
+def due_file(file_id: str) -> str:
+    return f"file:{file_id}"
+
+
+def due_job(job_id: str, shards: int) -> str:
+    return f"job:{job_id}:{shards}"
 
 
 def files(tenant: str | None) -> str:

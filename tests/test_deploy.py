@@ -220,12 +220,13 @@ def test_model_volume_is_writable_by_that_user(services, dockerfile):
     assert any(re.search(r"mkdir -p /models/hf\b", ln) for ln in chown)
 
 
-def test_blob_volume_is_the_apis_store_and_writable(services, dockerfile):
+def test_blob_volume_is_the_store_of_the_api_and_the_worker_and_writable(services, dockerfile):
     user = next(ln for ln in reversed(dockerfile) if ln.startswith("USER ")).split()[1]
-    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["api"]["volumes"]}
-    assert mounts.get("/blobs") == "blobs"
-    url = env_of(services["api"])["FANOUT_STORAGE_URL"]
-    assert re.fullmatch(r"\$\{FANOUT_STORAGE_URL:-file:///blobs\}", url), url
+    for name in ("api", "worker"):  # one store: the worker reads the items the API wrote
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+        assert mounts.get("/blobs") == "blobs", name
+        url = env_of(services[name])["FANOUT_STORAGE_URL"]
+        assert re.fullmatch(r"\$\{FANOUT_STORAGE_URL:-file:///blobs\}", url), (name, url)
     chown = [ln for ln in dockerfile if ln.startswith("RUN ") and "chown" in ln]
     assert any(re.search(rf"chown -R {user}(:{user})? .*/blobs\b", ln) for ln in chown), chown
 

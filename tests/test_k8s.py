@@ -253,11 +253,13 @@ def test_every_fanout_process_gets_the_password_in_redis_url(docs, monkeypatch):
 
 
 def test_the_api_reads_the_blob_store_from_the_secret_the_instructions_create(docs):
-    """Every API replica must reach the same files: a bucket, named by the blob-store Secret
+    """Every API replica and worker must reach the same store: a bucket, named by the blob-store Secret
     (FANOUT_STORAGE_URL and the AWS_* variables), which k8s.yaml's header and README create."""
-    api = one(docs, "Deployment", "api")
-    (c,) = pod_spec(api)["containers"]
-    (ref,) = [e["secretRef"]["name"] for e in c["envFrom"]]
+    refs = set()
+    for name in ("api", "worker"):  # the worker reads the items of large jobs from the same bucket
+        (c,) = pod_spec(one(docs, "Deployment", name))["containers"]
+        refs.update(e["secretRef"]["name"] for e in c["envFrom"])
+    (ref,) = refs
     create = re.compile(rf"kubectl -n fanout create secret generic {ref} --from-literal=FANOUT_STORAGE_URL=s3://")
     for path in ("k8s.yaml", "README.md"):
         with open(os.path.join(ROOT, path)) as f:

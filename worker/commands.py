@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from api import batchfile, tenants
-from results import events
+from results import blobs, events
 from worker import logs
 from worker.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
 
@@ -107,6 +107,11 @@ def cmd_worker(args) -> None:
     logs.setup()
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
+    settings = Settings.from_env()
+    try:  # before the model loads: a worker that cannot read its jobs' items stops at once
+        blobs.same_store(redis.Redis.from_url(args.redis_url), blobs.open_store(settings.storage_url))
+    except redis.RedisError as e:
+        logging.getLogger("fanout.worker").warning("cannot check the blob store against Redis yet: %s", e)
     engine = Engine(args.model, engine_config(args))
     r = engine.runner
     logging.getLogger("fanout.worker").info(
@@ -114,7 +119,7 @@ def cmd_worker(args) -> None:
         args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
         r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
-    consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), Settings.from_env(),
+    consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), settings,
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval,
                         model=args.served_model_name or served_name(args.model))

@@ -52,7 +52,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import as_text, now
 from rq.worker import BaseWorker, WorkerStatus
 
-from results import keys, store
+from results import blobs, keys, store
 from results.publisher import Batch
 
 from . import reaper, shards
@@ -100,6 +100,7 @@ class Consumer(Outages, Publishing, BaseWorker):
         # The image URL schemes its chats take, [] for a text model: the API's check of image parts.
         self.image_schemes = engine.image_schemes()
         self.settings = settings
+        self.blobs = blobs.open_store(settings.storage_url)  # the items of jobs that keep them there
         self.drain_timeout = drain_timeout
         self.heartbeat_ttl = settings.heartbeat_ttl
         self.heartbeat_s = settings.heartbeat_ttl / 3
@@ -381,6 +382,9 @@ class Consumer(Outages, Publishing, BaseWorker):
         self.active[job.id] = a
         try:
             spec = self.retrying(self.read_shard, c)
+        except blobs.StoreError as e:  # down, or denying: another attempt may find it back
+            self.fail(a, str(e), abort=False)
+            return
         except Exception as e:  # not a job our API made (or made by another version): no retry
             self.fail(a, f"bad job payload: {_one_line(e)}", retry=False, abort=False)
             return
@@ -420,11 +424,16 @@ class Consumer(Outages, Publishing, BaseWorker):
             self.succeed(a)
 
     def read_shard(self, c: shards.Claim) -> Shard:
-        """The shard's items from the job's item list."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.lindex(keys.items(c.job_id), c.k)
-            pipe.lrange(keys.custom_ids(c.job_id), c.lo, c.hi - 1)
-            entries, custom = pipe.execute()
+        """The shard's items from the job's item list, or from the blob store (one shard's
+        worth, tens of KB: read here, on the loop, between steps)."""
+        custom = self.connection.lrange(keys.custom_ids(c.job_id), c.lo, c.hi - 1)
+        if c.info.get("items_in") != "store":
+            entries = self.connection.lindex(keys.items(c.job_id), c.k)
+        else:
+            try:
+                entries = b"".join(self.blobs.get(shards.items_blob(c.job_id, c.k)))
+            except blobs.Missing:
+                entries = None
         if entries is None:
             raise ValueError(f"the job's items {c.lo}-{c.hi - 1} are gone (the job expired?)")
         return Shard.read(c.info["kind"], int(c.info["seed"]), c.info.get("params"), entries, custom, c.lo)

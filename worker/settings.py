@@ -55,6 +55,9 @@ class Settings:
     # Where files live (results/blobs.py): a folder, or s3://bucket/prefix with the AWS_*
     # variables. The default folder serves one host; more hosts need a bucket (or a volume
     # every process mounts).
+    # A job whose items (as JSON) take more than this many bytes keeps them in the blob
+    # store, one object per shard, instead of Redis; its workers read them from there.
+    items_store_bytes: int = 1 << 20
     storage_url: str = field(default_factory=lambda: "file://" + os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "fanout", "blobs"))
 
@@ -78,5 +81,6 @@ class Settings:
             batch_max_requests=_int("FANOUT_BATCH_MAX_REQUESTS", d.batch_max_requests),
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),
             batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),
+            items_store_bytes=_int("FANOUT_ITEMS_STORE_BYTES", d.items_store_bytes, least=0),
             storage_url=os.environ.get("FANOUT_STORAGE_URL") or d.storage_url,
         )

@@ -3,8 +3,9 @@
 
 At submit the job is cut into shards of about FANOUT_SHARD_SAMPLES samples
 (worker.spec.plan) and its items go to its item list, one element per shard (the JSON
-array of its items' entries). A shard travels as an rq job `<job id>-<k>` whose arguments
-name the job and k; its worker reads element k. A job keeps at most `window` shards queued: the first ones are enqueued at
+array of its items' entries), or, past FANOUT_ITEMS_STORE_BYTES, to the blob store, one
+object per shard (items_blob). A shard travels as an rq job `<job id>-<k>` whose arguments
+name the job and k; its worker reads element k, or object k. A job keeps at most `window` shards queued: the first ones are enqueued at
 submit and every claim releases the next, so a job of a million items holds a window of
 the queue, and jobs of one priority take turns (a job submitted behind a huge one waits
 for `window` of its shards to be taken, not for all of them).
@@ -155,20 +156,51 @@ def _rq_job(q: Queue, job_id: str, k: int, timeout: int, scheduled: bool = False
                         status=JobStatus.SCHEDULED if scheduled else JobStatus.QUEUED)
 
 
-def create(pipe, q: Queue, job_id: str, spec: JobSpec, settings: Settings,
-           run_at: datetime | None = None) -> dict[str, str]:
-    """In the submit's transaction (MULTI opened): the item list, the shard counters and
-    the first window of shards (scheduled for run_at if given). Returns the fields the
-    job's info hash takes for its shards."""
+@dataclass(slots=True)
+class Layout:
+    """A job cut into shards: shard k holds items [bounds[k], bounds[k + 1]), its entries one
+    JSON array in chunks[k]; `shared`: the sampling parameters all items share, or None."""
+    bounds: list[int]
+    chunks: list[str]
+    shared: str | None
+
+    @property
+    def size(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def layout(spec: JobSpec, settings: Settings) -> Layout:
     entries, shared = spec.layout()
     bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
-    total = len(bounds) - 1
+    # One array per shard: a shard reads one value, and a 100,000-item job is a few
+    # thousand values to send, not 100,000.
+    return Layout(bounds, ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(len(bounds) - 1)],
+                  shared)
+
+
+def items_blob(job_id: str, k: int) -> str:
+    """Shard k's items in the blob store, for a job that keeps them there."""
+    return f"jobs/{job_id}/items/{k}.json"
+
+
+def store_items(store, job_id: str, lay: Layout) -> None:
+    """Before the submit's transaction: each shard's items to the blob store."""
+    for k, chunk in enumerate(lay.chunks):
+        with store.writer(items_blob(job_id, k)) as w:
+            w.write(chunk.encode())
+
+
+def create(pipe, q: Queue, job_id: str, spec: JobSpec, lay: Layout, settings: Settings,
+           run_at: datetime | None = None, in_store: bool = False) -> dict[str, str]:
+    """In the submit's transaction (MULTI opened): the item list (unless the items are in
+    the blob store, `in_store`), the shard counters and the first window of shards
+    (scheduled for run_at if given). Returns the fields the job's info hash takes for its
+    shards."""
+    total = len(lay.chunks)
     first = min(total, settings.shard_window)
-    # One list element per shard (a JSON array of its items' entries): a shard reads one
-    # element, and a 100,000-item job is a few thousand values to send, not 100,000.
-    chunks = ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(total)]
-    for i in range(0, total, RPUSH_CHUNK):
-        pipe.rpush(keys.items(job_id), *chunks[i:i + RPUSH_CHUNK])
+    if not in_store:
+        for i in range(0, total, RPUSH_CHUNK):
+            pipe.rpush(keys.items(job_id), *lay.chunks[i:i + RPUSH_CHUNK])
     pipe.hset(keys.shards(job_id), mapping={"total": total, "window": settings.shard_window,
                                             "retries": settings.job_retries, "released": first,
                                             "ended": 0})
@@ -178,9 +210,11 @@ def create(pipe, q: Queue, job_id: str, spec: JobSpec, settings: Settings,
             q.schedule_job(job, run_at, pipeline=pipe)
         else:
             q.enqueue_job(job, pipeline=pipe)
-    fields = {"kind": spec.kind, "bounds": json.dumps(bounds), "shards": total}
-    if shared is not None:
-        fields["params"] = shared
+    fields = {"kind": spec.kind, "bounds": json.dumps(lay.bounds), "shards": total}
+    if in_store:
+        fields["items_in"] = "store"
+    if lay.shared is not None:
+        fields["params"] = lay.shared
     return fields
 
 

@@ -168,7 +168,7 @@ def create(body: BatchCreate, request: Request):
                              run_at=body.run_at, metadata=body.metadata or {})
         _update(redis, batch_id, lambda r: {"model": lines[0].body.model, "request_counts": {
             "total": len(lines), "completed": 0, "failed": 0}}, settings.result_ttl)
-        jobs.submit(redis, job, settings, job_id=job_id, tenant=tenant)
+        jobs.submit(redis, job, settings, job_id=job_id, tenant=tenant, store=st.blobs)
     except batchinput.Invalid as e:
         return public(redis, failed([x.data() for x in e.errors]))
     except ValidationError as e:  # the job's own checks (run_at before 1970)

@@ -6,9 +6,9 @@ objects in Redis (keys.file, a small JSON: listing and quotas stay Redis reads).
 stream both ways and no process holds a whole file: an upload is spooled to disk by the
 form parser, validated line by line, then copied into the store; a download streams from
 it. A file's object expires (`expires_after`; FANOUT_RESULT_TTL for output files) or is
-deleted first, its bytes after: keys.files_due says when, and every API process's sweep
-deletes the due ones, so bytes that a store that was down kept are deleted once it is back,
-and bytes a process wrote before dying, with no object, are too."""
+deleted first, its bytes after: keys.blobs_due says when, and every API process's sweep
+(api/sweep.py) deletes the due ones, so bytes that a store that was down kept are deleted
+once it is back, and bytes a process wrote before dying, with no object, are too."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,6 @@ import uuid
 from typing import Iterable, Iterator
 
 import anyio
-import redis as redis_lib
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
@@ -36,23 +35,6 @@ router = APIRouter()
 
 FORM = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
 ORPHAN = 3600  # seconds: bytes being written get this long to get their object, or are swept
-SWEEP = 10  # seconds between an API process's sweeps of due bytes
-
-
-class OtherStore(ValueError):
-    pass
-
-
-def same_store(redis, store) -> None:
-    """At an API process's start: its store is the one the others of this Redis use, or
-    OtherStore (which stops it)."""
-    redis.set(keys.storage(), store.url, nx=True)
-    used = (redis.get(keys.storage()) or b"").decode()
-    if used != store.url:
-        raise OtherStore(f"FANOUT_STORAGE_URL is {store.url} but this Redis's files are in {used} "
-                         f"({keys.storage()}): every API process must use the same blob store. To move "
-                         f"to another one, stop every API process and delete that key; the files in "
-                         f"{used} are then no longer served")
 
 
 def _tenant_id(tenant) -> str | None:
@@ -67,7 +49,7 @@ def blob(file_id: str) -> str:
 def writing(redis, file_id: str) -> None:
     """Before writing the file's bytes: if no object follows (the writer died), the sweep
     deletes them."""
-    redis.zadd(keys.files_due(), {file_id: time.time() + ORPHAN})
+    redis.zadd(keys.blobs_due(), {keys.due_file(file_id): time.time() + ORPHAN})
 
 
 def record(redis, store, file_id: str, size: int, filename: str, purpose: str, tenant_id: str | None,
@@ -95,9 +77,9 @@ def record(redis, store, file_id: str, size: int, filename: str, purpose: str, t
                 pipe.set(keys.file(file_id), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
                 pipe.zadd(listed, {file_id: now})
                 if ttl:
-                    pipe.zadd(keys.files_due(), {file_id: now + ttl})
+                    pipe.zadd(keys.blobs_due(), {keys.due_file(file_id): now + ttl})
                 else:
-                    pipe.zrem(keys.files_due(), file_id)
+                    pipe.zrem(keys.blobs_due(), keys.due_file(file_id))
                 pipe.execute()
                 return obj
             except WatchError:
@@ -124,13 +106,13 @@ def _held(pipe, listed: str, purpose: str) -> int:
 
 def _drop(redis, store, file_id: str) -> None:
     """Delete the bytes of a file without an object now, or leave them to the sweep."""
-    redis.zadd(keys.files_due(), {file_id: 0})
+    redis.zadd(keys.blobs_due(), {keys.due_file(file_id): 0})
     try:
         store.delete(blob(file_id))
     except blobs.StoreError as e:
         log.warning("files: %s; the sweep deletes %s later", e, file_id)
         return
-    redis.zrem(keys.files_due(), file_id)
+    redis.zrem(keys.blobs_due(), keys.due_file(file_id))
 
 
 def get(redis, file_id: str, tenant) -> dict:
@@ -248,31 +230,3 @@ def delete_file(file_id: str, request: Request):
         pipe.execute()
     _drop(st.redis, st.blobs, file_id)
     return {"id": file_id, "deleted": True}
-
-
-async def sweep(state) -> None:
-    """Every API process, every SWEEP seconds: delete the bytes that are due."""
-    while True:
-        await anyio.sleep(SWEEP)
-        try:
-            await anyio.to_thread.run_sync(sweep_once, state.redis, state.blobs)
-        except (redis_lib.RedisError, blobs.StoreError) as e:
-            log.warning("files: cannot sweep (%s); trying again", e)
-
-
-def sweep_once(redis, store, now: float | None = None) -> int:
-    """Delete the due bytes of files without an object (a file saved again meanwhile gets
-    its new expiry instead); returns how many were deleted."""
-    due = [i.decode() for i in redis.zrangebyscore(keys.files_due(), "-inf", now or time.time(), 0, 500)]
-    deleted = 0
-    for file_id in due:
-        left = redis.pttl(keys.file(file_id))
-        if left == -1:  # an object that does not expire
-            redis.zrem(keys.files_due(), file_id)
-        elif left >= 0:
-            redis.zadd(keys.files_due(), {file_id: time.time() + left / 1000})
-        else:
-            store.delete(blob(file_id))
-            redis.zrem(keys.files_due(), file_id)
-            deleted += 1
-    return deleted

@@ -22,11 +22,12 @@ def s3_service(s3_server, model_dir, tmp_path_factory):
     Redis share one store (each finalizes any batch), so the suite's own are kept apart."""
     logs = tmp_path_factory.mktemp("s3-service")
     server = EmbeddedRedis()
-    worker = WorkerProc(server.url, model_dir, logs)
-    worker.start()
     bucket = "fanout-" + uuid.uuid4().hex[:8]
     s3_server.client().create_bucket(Bucket=bucket)
-    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a"}
+    # Every job's items in the bucket too: its worker reads them from there.
+    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a", "FANOUT_ITEMS_STORE_BYTES": "0"}
+    worker = WorkerProc(server.url, model_dir, logs, env=env)
+    worker.start()
     proc, url = start_api(server.url, logs, "api-s3", env=env)
     yield {"url": url, "bucket": bucket, "proc": proc, "redis_url": server.url, "env": env, "logs": logs}
     proc.stop()
@@ -36,8 +37,11 @@ def s3_service(s3_server, model_dir, tmp_path_factory):
 
 @pytest.fixture
 def s3_api(s3_service):
+    import redis as redis_lib
     with openai.OpenAI(base_url=s3_service["url"] + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c, s3_service["bucket"], s3_service["proc"]
+        r = redis_lib.Redis.from_url(s3_service["redis_url"])
+        yield c, s3_service["bucket"], s3_service["proc"], r
+        r.close()
 
 
 def objects(s3_server, bucket) -> dict[str, int]:
@@ -46,13 +50,12 @@ def objects(s3_server, bucket) -> dict[str, int]:
 
 
 def test_files_live_in_the_bucket_not_in_redis(s3_api, s3_server, s3_service):
-    import redis as redis_lib
-    redis = redis_lib.Redis.from_url(s3_service["redis_url"])
-    oai, bucket, _ = s3_api
+    oai, bucket, _, redis = s3_api
     lines = [chat_line(f"q{i}", f"question {i}", max_tokens=4, temperature=0) for i in range(5)]
     data = jsonl(lines)
     f = oai.files.create(file=("in.jsonl", data), purpose="batch")
-    assert objects(s3_server, bucket) == {f"tenant-a/files/{f.id}.jsonl": len(data)}
+    assert {k: v for k, v in objects(s3_server, bucket).items() if "/files/" in k} == {
+        f"tenant-a/files/{f.id}.jsonl": len(data)}
     assert oai.files.content(f.id).content == data
     # Redis holds the file's object only: a few hundred bytes, not the file.
     assert len(redis.get(keys.file(f.id))) < 400 and not redis.keys(f"*{f.id}*content*")
@@ -60,12 +63,14 @@ def test_files_live_in_the_bucket_not_in_redis(s3_api, s3_server, s3_service):
                                      completion_window="24h").id, ("completed",))
     out = read_lines(oai, b.output_file_id)
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
-    assert f"tenant-a/files/{b.output_file_id}.jsonl" in objects(s3_server, bucket)
+    stored = objects(s3_server, bucket)
+    assert f"tenant-a/files/{b.output_file_id}.jsonl" in stored
+    job_id = b.id.removeprefix("batch_")  # its items were read from the bucket, not Redis
+    assert f"tenant-a/jobs/{job_id}/items/0.json" in stored and not redis.exists(keys.items(job_id))
     oai.files.delete(f.id)
     assert f"tenant-a/files/{f.id}.jsonl" not in objects(s3_server, bucket)
     with pytest.raises(openai.NotFoundError):
         oai.files.content(f.id)
-    redis.close()
 
 
 def test_an_api_with_another_store_than_its_redis_has_does_not_start(s3_service):
@@ -81,7 +86,7 @@ def test_an_api_with_another_store_than_its_redis_has_does_not_start(s3_service)
 
 
 def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, s3_server):
-    oai, bucket, proc = s3_api
+    oai, bucket, proc, redis = s3_api
     lines = [chat_line(f"q{i}", f"question {i}", max_tokens=16, temperature=0) for i in range(6)]
     f = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     s3_server.stop()
@@ -102,9 +107,15 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
         s3_server.start()
     s3_server.client().create_bucket(Bucket=bucket)  # moto's buckets lived in its memory: an empty store back
 
+    lines = [chat_line(f"q{i}", f"question {i}", max_tokens=300, temperature=0, ignore_eos=True) for i in range(6)]
     f = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     b = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    s3_server.stop()  # the batch's input is read: it runs, and ends with nowhere to write its files
+    # Its one shard's items read by the worker (a sample is streaming), it runs on, and ends
+    # with nowhere to write its files.
+    job_stream = keys.stream(b.id.removeprefix("batch_"))
+    wait_for(lambda: any(e[b"type"] == b"delta" for _, e in redis.xrange(job_stream)), 60,
+             "a first delta")
+    s3_server.stop()
     try:
         wait_for(lambda: "cannot be finalized yet" in proc.tail(), 120, "a finalization that failed")
         assert oai.batches.retrieve(b.id).status == "finalizing"
@@ -122,6 +133,7 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
 def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_path):
     import redis as redis_lib
 
+    from api import sweep
     from api.openai import files
     from results import blobs
 
@@ -138,15 +150,96 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     files.writing(r, "file-orphan")  # a writer that died before its file's object
     with store.writer(files.blob("file-orphan")) as w:
         w.write(b"d\n")
-    assert r.zscore(keys.files_due(), kept["id"]) is None
+    assert r.zscore(keys.blobs_due(), keys.due_file(kept["id"])) is None
     wait_for(lambda: not r.exists(keys.file(short["id"])), 5, "the short file's object to expire")
-    assert files.sweep_once(r, store) == 1
+    assert sweep.sweep_once(r, store) == 1
     assert not there(short["id"]) and there(kept["id"]) and there(later["id"]) and there("file-orphan")
     # An hour on: the orphan goes; the file whose object is still there (an hour from
     # its expiry, but alive) gets its object's expiry again instead.
-    r.zadd(keys.files_due(), {later["id"]: 0})
-    assert files.sweep_once(r, store, now=time.time() + files.ORPHAN + 1) == 1
+    r.zadd(keys.blobs_due(), {keys.due_file(later["id"]): 0})
+    assert sweep.sweep_once(r, store, now=time.time() + files.ORPHAN + 1) == 1
     assert not there("file-orphan") and there(later["id"])
-    assert r.zscore(keys.files_due(), later["id"]) > time.time() + 3000
+    assert r.zscore(keys.blobs_due(), keys.due_file(later["id"])) > time.time() + 3000
+    # A job's items: deleted once its keys are gone (it expired, or its submit failed), not before.
+    from worker import shards
+    for job_id in ("gone", "alive"):
+        r.zadd(keys.blobs_due(), {keys.due_job(job_id, 2): 0})
+        for k in range(2):
+            with store.writer(shards.items_blob(job_id, k)) as w:
+                w.write(b"[]")
+    r.hset(keys.info("alive"), "total", 1)
+    r.expire(keys.info("alive"), 600)
+    assert sweep.sweep_once(r, store) == 1
+    assert not (tmp_path / "jobs" / "gone" / "items" / "0.json").exists()
+    assert (tmp_path / "jobs" / "alive" / "items" / "1.json").exists()
+    assert r.zscore(keys.blobs_due(), keys.due_job("alive", 2)) > time.time() + 500
     r.close()
     server.stop()
+
+
+def test_a_job_whose_items_cannot_be_read_fails_with_the_stores_error(s3_service, s3_server):
+    import datetime
+
+    import httpx
+    url, bucket = s3_service["url"], s3_service["bucket"]
+    run_at = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=3)).isoformat()
+    job = httpx.post(url + "/v1/jobs", json={"prompts": ["a", "b"], "sampling_params": {"max_new_tokens": 2},
+                                             "run_at": run_at}).json()
+    s3_server.stop()  # before its worker reads the items
+    try:
+        # Each attempt fails at once (the store refuses connections): the job's retries, then failed.
+        info = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}").json())["status"] == "failed" and j,
+                        60, "the job to fail", interval=0.5)
+        assert f"blob store s3://{bucket}/tenant-a: cannot read jobs/{job['id']}/items/0.json: unreachable" \
+            in info["error"], info
+        assert info["attempt"] == 3  # FANOUT_JOB_RETRIES (2) more after the first
+    finally:
+        s3_server.start()
+        s3_server.client().create_bucket(Bucket=bucket)
+
+
+def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, engine, tmp_path):
+    """Items in a local store (the default), shards of 2 samples over two workers; one is
+    killed mid-job: the shards it held are read again from the store by the other, and
+    every item is answered once, as the engine answers it."""
+    import httpx
+    import redis as redis_lib
+    import signal
+    from collections import Counter
+
+    from results import reader
+    from worker.engine import SamplingParams
+
+    server = EmbeddedRedis()
+    env = {"FANOUT_STORAGE_URL": f"file://{tmp_path}/store", "FANOUT_ITEMS_STORE_BYTES": "0",
+           "FANOUT_SHARD_SAMPLES": "2", "FANOUT_HEARTBEAT_TTL": "3"}
+    dead, live = WorkerProc(server.url, model_dir, tmp_path, env), WorkerProc(server.url, model_dir, tmp_path, env)
+    api, url = start_api(server.url, tmp_path, "api-items", env=env)
+    r = redis_lib.Redis.from_url(server.url)
+    try:
+        dead.start()
+        live.start()
+        prompts = [f"item {i} of the stored job" for i in range(12)]
+        job = httpx.post(url + "/v1/jobs", json={"prompts": prompts, "sampling_params": {
+            "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}).json()
+        assert sorted(os.listdir(tmp_path / "store" / "jobs" / job["id"] / "items")) == sorted(
+            f"{k}.json" for k in range(6))
+        assert not r.exists(keys.items(job["id"]))
+        wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job['id']}").json()["progress"]["done"] >= 2, 60,
+                 "two items finished")
+        dead.stop(signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job['id']}").json()["status"] == "succeeded", 120,
+                 "the job to succeed")
+        finals = Counter(e["index"] for _, e in reader.follow(r, job["id"], timeout=5) if e["type"] == "final")
+        assert finals == {i: 1 for i in range(12)}
+        got = httpx.get(f"{url}/v1/jobs/{job['id']}/results").json()["items"]
+        ref = engine.generate(prompts=prompts, sampling_params=SamplingParams(max_new_tokens=60, temperature=0,
+                                                                               ignore_eos=True))
+        assert [it["samples"][0]["token_ids"] for it in got] == [x.samples[0].token_ids for x in ref]
+    finally:
+        for w in (dead, live):
+            if w.proc and w.proc.alive():
+                w.stop(signal.SIGKILL)
+        api.stop()
+        r.close()
+        server.stop()
