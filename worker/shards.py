@@ -31,6 +31,7 @@ job that was canceled or failed: nothing writes to its stream after it.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable
@@ -183,11 +184,18 @@ def items_blob(job_id: str, k: int) -> str:
     return f"jobs/{job_id}/items/{k}.json"
 
 
+STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
+
+
 def store_items(store, job_id: str, lay: Layout) -> None:
     """Before the submit's transaction: each shard's items to the blob store."""
-    for k, chunk in enumerate(lay.chunks):
+    def put(k: int) -> None:
         with store.writer(items_blob(job_id, k)) as w:
-            w.write(chunk.encode())
+            w.write(lay.chunks[k].encode())
+
+    with ThreadPoolExecutor(STORE_THREADS) as pool:
+        for _ in pool.map(put, range(len(lay.chunks))):  # the first failure raises here
+            pass
 
 
 def create(pipe, q: Queue, job_id: str, spec: JobSpec, lay: Layout, settings: Settings,
