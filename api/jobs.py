@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -49,52 +50,77 @@ class Claimed(Exception):
         self.stored = stored
 
 
+@dataclass(slots=True)
+class Planned:
+    """A job ready to be created: what its keys and shards need, its items laid out by
+    shard (in lay.chunks, or in the blob store already when lay.chunks is None)."""
+    kind: str
+    ns: list[int]  # samples per item
+    tokens: int  # the most it may generate: the sum of n * max_new_tokens
+    seed: int
+    custom_ids: list[str | None] | None
+    lay: shards.Layout
+
+    @classmethod
+    def of(cls, spec: JobSpec, settings: Settings) -> "Planned":
+        return cls(spec.kind, [p.n for p in spec.sampling_params],
+                   sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
+                   shards.layout(spec, settings))
+
+
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
            spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None,
            tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
+    """create() for a request: `spec` is req.spec() unless given. With a blob `store`, items
+    over FANOUT_ITEMS_STORE_BYTES go there first (StoreError if it cannot take them)."""
+    return create(redis, Planned.of(spec or req.spec(), settings), settings, req.priority, req.run_at,
+                  req.metadata, job_id, idempotency, tenant, store)
+
+
+def create(redis, planned: Planned, settings: Settings, priority: str = "normal", run_at: datetime | None = None,
+           metadata: dict | None = None, job_id: str | None = None, idempotency: tuple[str, str] | None = None,
+           tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
-    transaction. `spec` is req.spec() unless given. With a blob `store`, items over
-    FANOUT_ITEMS_STORE_BYTES go there first (StoreError if it cannot take them).
-    `idempotency` = (key, body hash): the key is claimed in that same transaction, so a
-    claim never exists without its job;
-    raises Claimed if the key was taken. `tenant` (None in open mode) owns the job: its
-    rights and limits are checked (HTTPException 403, OverLimit) and the job takes one of
-    its in-flight slots, given back by publisher.close. Returns the JobCreated body."""
+    transaction. `idempotency` = (key, body hash): the key is claimed in that same
+    transaction, so a claim never exists without its job; raises Claimed if the key was
+    taken. `tenant` (None in open mode) owns the job: its rights and limits are checked
+    (HTTPException 403, OverLimit) and the job takes one of its in-flight slots, given back
+    by publisher.close. A job whose items are in the store already and is not created has
+    them swept at once. Returns the JobCreated body."""
     job_id = job_id or new_id()
-    spec = spec or req.spec()
-    if tenant is not None:
-        tenant.check_job(req.priority, req.size, sum(p.n * p.max_new_tokens for p in spec.sampling_params))
-    if req.run_at and req.run_at.microsecond:
-        # rq schedules in whole seconds (rounding down): round up so a job never starts early.
-        req = req.model_copy(update={"run_at": req.run_at.replace(microsecond=0) + timedelta(seconds=1)})
-    ns = [p.n for p in spec.sampling_params]
-    status = "scheduled" if req.run_at else "queued"
-    wait = max(0, int((req.run_at - datetime.now(timezone.utc)).total_seconds())) if req.run_at else 0
-    q = queue(redis, req.priority)
-    info = {"total": req.size, "samples": sum(ns), "ns": json.dumps(ns), "seed": spec.seed,
-            "priority": req.priority, "metadata": json.dumps(req.metadata), "state": status,
-            "created_at": progress.timestamp()}
-    if req.run_at:
-        info["run_at"] = req.run_at.isoformat()
-    lay = shards.layout(spec, settings)
-    in_store = store is not None and lay.size > settings.items_store_bytes
-    lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
-    slots = keys.inflight(tenant.id) if tenant else None
-    claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
-    if in_store:
-        if claim and (stored := redis.get(claim)) is not None:
-            raise Claimed(json.loads(stored))  # before writing what that job already has
-        # Due before they are written: once the job has expired, or if it is not created
-        # (then at once, below), the sweep deletes them (api/sweep.py).
-        due = {keys.due_job(job_id, len(lay.chunks)): time.time() + lasts}
-        redis.zadd(keys.blobs_due(), due)
-        shards.store_items(store, job_id, lay)
-    listed = keys.jobs(tenant.id if tenant else None)
-    info["listed"] = listed  # the status scripts move it between its listing's indexes
-    if tenant:
-        info.update(tenant=tenant.id, slot=slots)
-    max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
+    lay, ns, size = planned.lay, planned.ns, len(planned.ns)
+    in_store = lay.chunks is None or (store is not None and lay.size > settings.items_store_bytes)
+    due = {keys.due_job(job_id, 0, lay.total): 0}
     try:
+        if tenant is not None:
+            tenant.check_job(priority, size, planned.tokens)
+        if run_at and run_at.microsecond:
+            # rq schedules in whole seconds (rounding down): round up so a job never starts early.
+            run_at = run_at.replace(microsecond=0) + timedelta(seconds=1)
+        status = "scheduled" if run_at else "queued"
+        wait = max(0, int((run_at - datetime.now(timezone.utc)).total_seconds())) if run_at else 0
+        q = queue(redis, priority)
+        info = {"total": size, "samples": sum(ns), "ns": json.dumps(ns), "seed": planned.seed,
+                "priority": priority, "metadata": json.dumps(metadata or {}), "state": status,
+                "created_at": progress.timestamp()}
+        if run_at:
+            info["run_at"] = run_at.isoformat()
+        lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
+        slots = keys.inflight(tenant.id) if tenant else None
+        claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
+        if in_store:
+            if lay.chunks is not None and claim and (stored := redis.get(claim)) is not None:
+                raise Claimed(json.loads(stored))  # before writing what that job already has
+            # Due once the job has expired (api/sweep.py), or at once if it is not created (below);
+            # due before they are written, so a process that dies meanwhile leaves nothing behind.
+            redis.zadd(keys.blobs_due(), {m: time.time() + lasts for m in due})
+            if lay.chunks is not None:
+                shards.store_items(store, job_id, lay)
+        listed = keys.jobs(tenant.id if tenant else None)
+        info["listed"] = listed  # the status scripts move it between its listing's indexes
+        if tenant:
+            info.update(tenant=tenant.id, slot=slots)
+        max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
         with redis.pipeline() as pipe:
             while True:
                 if claim:
@@ -110,16 +136,16 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                         raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
                                                           "API key's limit (jobs_in_flight)")
                 pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
-                info.update(shards.create(pipe, q, job_id, spec, lay, settings, req.run_at, in_store))
+                info.update(shards.create(pipe, q, job_id, planned.kind, lay, settings, run_at, in_store))
                 if slots:
                     pipe.incr(slots)
                 if claim:
-                    pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": spec.seed,
-                                                "items": req.size}), ex=settings.result_ttl)
+                    pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": planned.seed,
+                                                "items": size}), ex=settings.result_ttl)
                 pipe.hset(keys.info(job_id), mapping=info)
-                pipe.xadd(keys.stream(job_id), events.status(status, total=req.size))
-                if spec.custom_ids:
-                    pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in spec.custom_ids])
+                pipe.xadd(keys.stream(job_id), events.status(status, total=size))
+                if planned.custom_ids:
+                    pipe.rpush(keys.custom_ids(job_id), *[c or "" for c in planned.custom_ids])
                 # Kept until the job ends (then result_ttl); the margin covers a job that waits and runs.
                 for k in (keys.info(job_id), keys.stream(job_id), keys.custom_ids(job_id), keys.items(job_id),
                           keys.shards(job_id)):
@@ -134,11 +160,11 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                 except WatchError:  # claimed (or a slot taken) by another request first: look again
                     continue
     except BaseException:
-        if in_store:  # no job holds them: the sweep deletes them at once
-            redis.zadd(keys.blobs_due(), {m: 0 for m in due})
+        if in_store:  # no job holds them: the sweep deletes them at once (api/sweep.py)
+            redis.zadd(keys.blobs_due(), due)
         raise
-    return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": spec.seed,
-            "items": req.size}
+    return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": planned.seed,
+            "items": size}
 
 
 def _text(v) -> str | None:

@@ -35,8 +35,8 @@ def _owner(member: str) -> tuple[str, list[str]]:
     kind, _, rest = member.partition(":")
     if kind == "file":
         return keys.file(rest), [files.blob(rest)]
-    job_id, _, total = rest.rpartition(":")
-    return keys.info(job_id), [shards.items_blob(job_id, k) for k in range(int(total))]
+    job_id, start, end = rest.split(":")
+    return keys.info(job_id), [shards.items_blob(job_id, k) for k in range(int(start), int(end))]
 
 
 def sweep_once(redis, store: blobs.Store, now: float | None = None) -> int:

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 from urllib.parse import urlparse
 
 CHUNK = 1 << 20  # bytes per chunk read
+ORPHAN = 3600  # seconds: what is being written gets this long to get its owner (a file's object, a job), or is swept
 PART = 8 << 20  # bytes per S3 part (S3's least is 5 MiB): a writer holds at most this much
 
 

@@ -91,7 +91,8 @@ def storage() -> str:
 def blobs_due() -> str:
     """Sorted set of what the blob store may hold past its owner, scored by when the sweep
     (api/sweep.py) may delete it: `file:<id>` (a file's bytes, due when its object expires;
-    a deleted file's at once) and `job:<id>:<shards>` (a job's items, due when it expires)."""
+    a deleted file's at once) and `job:<id>:<start>:<end>` (shards [start, end) of a job's
+    items, due when it expires)."""
     return f"{PREFIX}:blobs:due"
 
 
@@ -99,8 +100,9 @@ def due_file(file_id: str) -> str:
     return f"file:{file_id}"
 
 
-def due_job(job_id: str, shards: int) -> str:
-    return f"job:{job_id}:{shards}"
+def due_job(job_id: str, start: int, end: int) -> str:
+    """Shards [start, end) of a job's items."""
+    return f"job:{job_id}:{start}:{end}"
 
 
 def files(tenant: str | None) -> str:

@@ -31,6 +31,7 @@ job that was canceled or failed: nothing writes to its stream after it.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,10 +46,10 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import as_text
 
-from results import events, keys, listing, progress, publisher, store
+from results import blobs, events, keys, listing, progress, publisher, store
 
 from .settings import Settings
-from .spec import JOB_FUNC, QUEUES, JobSpec, plan
+from .spec import JOB_FUNC, QUEUES, Cut, JobSpec, plan
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
@@ -160,10 +161,15 @@ def _rq_job(q: Queue, job_id: str, k: int, timeout: int, scheduled: bool = False
 @dataclass(slots=True)
 class Layout:
     """A job cut into shards: shard k holds items [bounds[k], bounds[k + 1]), its entries one
-    JSON array in chunks[k]; `shared`: the sampling parameters all items share, or None."""
+    JSON array in chunks[k] (None: they are in the blob store already, Builder); `shared`:
+    the sampling parameters all items share, or None."""
     bounds: list[int]
-    chunks: list[str]
+    chunks: list[str] | None
     shared: str | None
+
+    @property
+    def total(self) -> int:
+        return len(self.bounds) - 1
 
     @property
     def size(self) -> int:
@@ -187,24 +193,74 @@ def items_blob(job_id: str, k: int) -> str:
 STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
 
 
+def _put(store, key: str, chunk: str) -> None:
+    with store.writer(key) as w:
+        w.write(chunk.encode())
+
+
 def store_items(store, job_id: str, lay: Layout) -> None:
     """Before the submit's transaction: each shard's items to the blob store."""
-    def put(k: int) -> None:
-        with store.writer(items_blob(job_id, k)) as w:
-            w.write(lay.chunks[k].encode())
-
     with ThreadPoolExecutor(STORE_THREADS) as pool:
-        for _ in pool.map(put, range(len(lay.chunks))):  # the first failure raises here
-            pass
+        for _ in pool.map(lambda k: _put(store, items_blob(job_id, k), lay.chunks[k]), range(lay.total)):
+            pass  # the first failure raises here
 
 
-def create(pipe, q: Queue, job_id: str, spec: JobSpec, lay: Layout, settings: Settings,
+class Builder:
+    """A job's shards laid out as its items come (a file read line by line), each written to
+    the blob store once full: the process holds a few shards' entries, not the job's. Every
+    DUE_EVERY shards, before writing them, they are marked due (keys.blobs_due) ORPHAN
+    seconds on: the job, once created, keeps them (the sweep finds its keys); a process
+    that died midway leaves nothing behind."""
+    DUE_EVERY = 256
+
+    def __init__(self, redis, store, job_id: str, samples: int):
+        self.redis, self.store, self.job_id = redis, store, job_id
+        self.cut, self.bounds, self.entries, self.count = Cut(samples), [0], [], 0
+        self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
+
+    def add(self, entry: str, n: int) -> None:
+        """The next item: its entry (JobSpec.layout's form) and its samples."""
+        if self.cut.add(n):
+            self._flush()
+            self.bounds.append(self.count)
+        self.entries.append(entry)
+        self.count += 1
+
+    def _flush(self) -> None:
+        k = len(self.bounds) - 1
+        if k % self.DUE_EVERY == 0:
+            self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, k, k + self.DUE_EVERY):
+                                               time.time() + blobs.ORPHAN})
+        key = items_blob(self.job_id, k)
+        self.pending.append(self.pool.submit(_put, self.store, key, "[" + ",".join(self.entries) + "]"))
+        self.entries = []
+        if len(self.pending) >= 2 * STORE_THREADS:  # bounded: wait for the oldest write
+            self.pending.pop(0).result()
+
+    def finish(self) -> Layout:
+        """Write the last shard, wait for every write (StoreError if one failed)."""
+        try:
+            if self.entries:
+                self._flush()
+            for f in self.pending:
+                f.result()
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+        return Layout(self.bounds + [self.count], None, None)
+
+    def abandon(self) -> None:
+        """Given up (an invalid line): no more writes, and those made swept at once."""
+        self.pool.shutdown(cancel_futures=True)
+        self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, 0, len(self.bounds)): 0})
+
+
+def create(pipe, q: Queue, job_id: str, kind: str, lay: Layout, settings: Settings,
            run_at: datetime | None = None, in_store: bool = False) -> dict[str, str]:
     """In the submit's transaction (MULTI opened): the item list (unless the items are in
     the blob store, `in_store`), the shard counters and the first window of shards
     (scheduled for run_at if given). Returns the fields the job's info hash takes for its
     shards."""
-    total = len(lay.chunks)
+    total = lay.total
     first = min(total, settings.shard_window)
     if not in_store:
         for i in range(0, total, RPUSH_CHUNK):
@@ -218,7 +274,7 @@ def create(pipe, q: Queue, job_id: str, spec: JobSpec, lay: Layout, settings: Se
             q.schedule_job(job, run_at, pipeline=pipe)
         else:
             q.enqueue_job(job, pipeline=pipe)
-    fields = {"kind": spec.kind, "bounds": json.dumps(lay.bounds), "shards": total}
+    fields = {"kind": kind, "bounds": json.dumps(lay.bounds), "shards": total}
     if in_store:
         fields["items_in"] = "store"
     if lay.shared is not None:

@@ -257,15 +257,26 @@ class Shard(JobSpec):
             if custom_ids else None})
 
 
+class Cut:
+    """plan's rule one item at a time (a dataset read line by line): add(n) tells whether
+    the item starts a new shard."""
+
+    def __init__(self, samples: int):
+        self.samples, self.held = samples, 0
+
+    def add(self, n: int) -> bool:
+        new = bool(self.held) and self.held + n > self.samples
+        self.held = (0 if new else self.held) + n
+        return new
+
+
 def plan(ns: list[int], samples: int) -> list[int]:
     """Shard bounds: shard k holds items [bounds[k], bounds[k + 1]). A shard takes items
     until their samples reach `samples`; an item is never split (one with more samples is
     a shard of its own)."""
-    bounds, held = [0], 0
+    cut, bounds = Cut(samples), [0]
     for i, n in enumerate(ns):
-        if held and held + n > samples:
+        if cut.add(n):
             bounds.append(i)
-            held = 0
-        held += n
     bounds.append(len(ns))
     return bounds

@@ -23,9 +23,11 @@ from pydantic import ValidationError
 from redis.exceptions import WatchError
 
 from results import blobs, keys, progress, store
+from worker import shards
 from worker.settings import Settings
 
 from .. import jobs
+from ..schemas import JobRequest
 from ..tenants import OverLimit
 from . import batchinput, bodies, files, models
 from .errors import OpenAIErrorResponse, OpenAIError, from_validation, not_found
@@ -161,14 +163,23 @@ def create(body: BatchCreate, request: Request):
                                                    "errors": {"object": "list", "data": errors}}
                        if r["status"] == "validating" else None, settings.result_ttl)
 
+    # The file is read as a stream and the job laid out by shard into the blob store as its
+    # lines come: this process holds one shard's items, and per line its custom id and n.
+    builder = shards.Builder(redis, st.blobs, job_id, settings.shard_samples)
     try:
-        lines = batchinput.parse(blobs.lines(files.content(redis, st.blobs, f["id"], tenant)), settings)
-        served = {m: models.image_schemes(redis, m) or [] for m in models.served(redis)}
-        job = batchinput.job(lines, body.endpoint, served, priority=body.priority,
-                             run_at=body.run_at, metadata=body.metadata or {})
-        _update(redis, batch_id, lambda r: {"model": lines[0].body.model, "request_counts": {
-            "total": len(lines), "completed": 0, "failed": 0}}, settings.result_ttl)
-        jobs.submit(redis, job, settings, job_id=job_id, tenant=tenant, store=st.blobs)
+        try:
+            # The job's own fields, checked as a native job's are (run_at after 1970).
+            JobRequest(prompts=["-"], priority=body.priority, run_at=body.run_at, metadata=body.metadata or {})
+            served = {m: models.image_schemes(redis, m) or [] for m in models.served(redis)}
+            requests = batchinput.read(blobs.lines(files.content(redis, st.blobs, f["id"], tenant)), settings)
+            planned, model = batchinput.plan(requests, body.endpoint, served, builder)
+        except BaseException:
+            builder.abandon()
+            raise
+        _update(redis, batch_id, lambda r: {"model": model, "request_counts": {
+            "total": len(planned.ns), "completed": 0, "failed": 0}}, settings.result_ttl)
+        jobs.create(redis, planned, settings, body.priority, body.run_at, body.metadata or {}, job_id,
+                    tenant=tenant)
     except batchinput.Invalid as e:
         return public(redis, failed([x.data() for x in e.errors]))
     except ValidationError as e:  # the job's own checks (run_at before 1970)
@@ -180,7 +191,7 @@ def create(body: BatchCreate, request: Request):
         raise
     except blobs.StoreError:  # the file's bytes unreadable now: a 503, and the batch says why
         failed([{"code": "store_unavailable", "line": None, "param": None,
-                 "message": "the input file could not be read from the blob store; create the batch again"}])
+                 "message": "the blob store could not be read or written; create the batch again"}])
         raise
     record = _update(redis, batch_id, lambda r: {"status": "in_progress", "in_progress_at": int(time.time())}
                      if r["status"] == "validating" else None, settings.result_ttl)

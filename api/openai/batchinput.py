@@ -1,21 +1,24 @@
 """The batch input file: JSONL, one request per line, as OpenAI's
 `{"custom_id", "method": "POST", "url", "body"}`. Validated line by line at upload (every
 line must be a request we would run: custom_id unique, body valid for its url, within the
-limits), and turned into one native job at batch creation: one item per line, its own
-sampling parameters, its custom_id."""
+limits), and again at batch creation, as a stream, into one native job: one item per line,
+its own sampling parameters, its custom_id, laid out by shard into the blob store as the
+lines come (no process holds the file or the job whole)."""
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import ValidationError
 
+from worker import shards
 from worker.engine.sampling_params import SamplingParams
 from worker.settings import Settings
 from worker.spec import CustomId
 
-from ..schemas import JobRequest
+from .. import jobs
 from .errors import OpenAIError, param
 from .schemas import ChatCompletionRequest, CompletionRequest, Strict, image_error, sampling_params
 
@@ -59,17 +62,14 @@ class Invalid(Exception):
         self.errors = errors
 
 
-def parse(lines: Iterable[bytes], settings: Settings) -> list[Request]:
-    """Every line (without its newline), validated; raises Invalid with the first MAX_ERRORS errors."""
-    return list(_read(lines, settings))
-
-
 def check(lines: Iterable[bytes], settings: Settings) -> int:
-    """parse() holding nothing but the custom ids (an upload of any size); returns the count."""
-    return sum(1 for _ in _read(lines, settings))
+    """read() holding nothing but the custom ids (an upload of any size); returns the count."""
+    return sum(1 for _ in read(lines, settings))
 
 
-def _read(lines: Iterable[bytes], settings: Settings) -> Iterator[Request]:
+def read(lines: Iterable[bytes], settings: Settings) -> Iterator[Request]:
+    """Every line (without its newline), validated, as it comes; raises Invalid with the
+    first MAX_ERRORS errors at the end (after yielding the lines before the first)."""
     errors, seen, count = [], set(), 0
     for n, raw in enumerate(lines, 1):
         if len(errors) >= MAX_ERRORS:
@@ -136,38 +136,59 @@ def _params(body, settings: Settings) -> SamplingParams:
     return sampling_params(body, settings)
 
 
-def job(requests: list[Request], endpoint: str, served: dict[str, list[str]], **fields) -> JobRequest:
-    """The native job of a batch: one item per line. Raises Invalid when a line does not fit
+def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]],
+         builder: shards.Builder) -> tuple["jobs.Planned", str]:
+    """The native job of a batch, one item per line, laid out by `builder` (into the blob
+    store) as the lines come: (the job, its model). Raises Invalid when a line does not fit
     the batch (another url, a model not served, mixed kinds of prompt, an image its model's
     workers cannot take). `served`: each served model -> the image URL schemes its workers
-    take ([] for a text model)."""
-    errors = []
-    models = {r.body.model for r in requests}
+    take ([] for a text model). Each line keeps its own sampling parameters; the job seed
+    is new (a line's own `seed` still fixes its samples)."""
+    errors, model, kind = [], None, None
+    ns, custom, tokens = [], [], 0
     for r in requests:
-        if r.url != endpoint:
-            errors.append(LineError(r.line, f"url {r.url} is not the batch's endpoint {endpoint}", "url",
-                                    "mismatched_endpoint"))
-        elif r.body.model not in served:
-            errors.append(LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)",
-                                    "body.model", "model_not_found"))
-        elif (endpoint == "/v1/chat/completions" and r.url == endpoint
-              and (bad := image_error(r.body.messages, r.body.model, served[r.body.model]))):
-            errors.append(LineError(r.line, f"body.{bad[1]}", f"body.{bad[0]}", "unsupported_parameter"))
-        elif len(models) > 1:
-            errors.append(LineError(r.line, f"every line must name the same model ({len(models)} named)",
-                                    "body.model", "mismatched_model"))
-        if len(errors) >= MAX_ERRORS:
-            break
+        model = model or r.body.model
+        error = _misfit(r, endpoint, served, model)
+        if error is not None:
+            errors.append(error)
+            if len(errors) >= MAX_ERRORS:
+                break
+            continue
+        if errors:
+            continue  # checked on, but nothing more written
+        item, its_kind = _item(r)
+        if kind not in (None, its_kind):
+            raise Invalid([LineError(r.line, "prompts must be all texts or all token ids in one batch",
+                                     "body.prompt", "mixed_prompts")])
+        kind = its_kind
+        p = r.params
+        builder.add(json.dumps({"x": item, "p": p.model_dump(mode="json", exclude_defaults=True)},
+                               separators=(",", ":")), p.n)
+        ns.append(p.n)
+        custom.append(r.custom_id)
+        tokens += p.n * p.max_new_tokens
     if errors:
         raise Invalid(errors)
-    if endpoint == "/v1/chat/completions":
-        items = {"messages": [[m.job_message() for m in r.body.messages] for r in requests]}
-    elif all(isinstance(r.body.prompt, str) for r in requests):
-        items = {"prompts": [r.body.prompt for r in requests]}
-    elif all(isinstance(r.body.prompt, list) for r in requests):
-        items = {"input_ids": [r.body.prompt for r in requests]}
-    else:
-        raise Invalid([LineError(None, "prompts must be all texts or all token ids in one batch", "body.prompt",
-                                 "mixed_prompts")])
-    return JobRequest(**items, custom_ids=[r.custom_id for r in requests],
-                      sampling_params=[r.params for r in requests], **fields)
+    return jobs.Planned(kind, ns, tokens, random.getrandbits(63), custom, builder.finish()), model
+
+
+def _misfit(r: Request, endpoint: str, served: dict[str, list[str]], model: str) -> LineError | None:
+    if r.url != endpoint:
+        return LineError(r.line, f"url {r.url} is not the batch's endpoint {endpoint}", "url", "mismatched_endpoint")
+    if r.body.model not in served:
+        return LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)", "body.model",
+                         "model_not_found")
+    if endpoint == "/v1/chat/completions" and (bad := image_error(r.body.messages, r.body.model,
+                                                                  served[r.body.model])):
+        return LineError(r.line, f"body.{bad[1]}", f"body.{bad[0]}", "unsupported_parameter")
+    if r.body.model != model:
+        return LineError(r.line, f"every line must name the same model (the first names {model!r})",
+                         "body.model", "mismatched_model")
+    return None
+
+
+def _item(r: Request) -> tuple[Any, str]:
+    """(the line's item as a job entry holds it, its kind)."""
+    if r.url == "/v1/chat/completions":
+        return [m.job_message().model_dump(mode="json") for m in r.body.messages], "messages"
+    return r.body.prompt, "prompts" if isinstance(r.body.prompt, str) else "input_ids"

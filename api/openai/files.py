@@ -34,7 +34,6 @@ log = logging.getLogger("fanout.api")
 router = APIRouter()
 
 FORM = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
-ORPHAN = 3600  # seconds: bytes being written get this long to get their object, or are swept
 
 
 def _tenant_id(tenant) -> str | None:
@@ -49,7 +48,7 @@ def blob(file_id: str) -> str:
 def writing(redis, file_id: str) -> None:
     """Before writing the file's bytes: if no object follows (the writer died), the sweep
     deletes them."""
-    redis.zadd(keys.blobs_due(), {keys.due_file(file_id): time.time() + ORPHAN})
+    redis.zadd(keys.blobs_due(), {keys.due_file(file_id): time.time() + blobs.ORPHAN})
 
 
 def record(redis, store, file_id: str, size: int, filename: str, purpose: str, tenant_id: str | None,

@@ -157,13 +157,13 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     # An hour on: the orphan goes; the file whose object is still there (an hour from
     # its expiry, but alive) gets its object's expiry again instead.
     r.zadd(keys.blobs_due(), {keys.due_file(later["id"]): 0})
-    assert sweep.sweep_once(r, store, now=time.time() + files.ORPHAN + 1) == 1
+    assert sweep.sweep_once(r, store, now=time.time() + blobs.ORPHAN + 1) == 1
     assert not there("file-orphan") and there(later["id"])
     assert r.zscore(keys.blobs_due(), keys.due_file(later["id"])) > time.time() + 3000
     # A job's items: deleted once its keys are gone (it expired, or its submit failed), not before.
     from worker import shards
     for job_id in ("gone", "alive"):
-        r.zadd(keys.blobs_due(), {keys.due_job(job_id, 2): 0})
+        r.zadd(keys.blobs_due(), {keys.due_job(job_id, 0, 2): 0})
         for k in range(2):
             with store.writer(shards.items_blob(job_id, k)) as w:
                 w.write(b"[]")
@@ -172,7 +172,7 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     assert sweep.sweep_once(r, store) == 1
     assert not (tmp_path / "jobs" / "gone" / "items" / "0.json").exists()
     assert (tmp_path / "jobs" / "alive" / "items" / "1.json").exists()
-    assert r.zscore(keys.blobs_due(), keys.due_job("alive", 2)) > time.time() + 500
+    assert r.zscore(keys.blobs_due(), keys.due_job("alive", 0, 2)) > time.time() + 500
     r.close()
     server.stop()
 
@@ -243,3 +243,39 @@ def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, e
         api.stop()
         r.close()
         server.stop()
+
+
+def test_the_builder_cuts_as_plan_does_and_what_an_abandoned_one_wrote_is_swept(tmp_path):
+    import redis as redis_lib
+
+    from api import sweep
+    from results import blobs
+    from worker import shards
+    from worker.spec import plan
+
+    server = EmbeddedRedis()
+    r = redis_lib.Redis.from_url(server.url)
+    store = blobs.open_store(str(tmp_path))
+    ns = [1, 3, 2, 1, 1, 5, 1, 2]
+    b = shards.Builder(r, store, "whole", 3)
+    for i, n in enumerate(ns):
+        b.add(json.dumps({"x": f"p{i}"}), n)
+    lay = b.finish()
+    assert lay.bounds == plan(ns, 3) and lay.chunks is None
+    for k in range(lay.total):
+        got = json.loads(b"".join(store.get(shards.items_blob("whole", k))))
+        assert got == [{"x": f"p{i}"} for i in range(lay.bounds[k], lay.bounds[k + 1])]
+    # Given up after four items (an invalid line): what it wrote is due at once.
+    b = shards.Builder(r, store, "halfway", 3)
+    for i, n in enumerate(ns[:4]):
+        b.add(json.dumps({"x": i}), n)
+    b.abandon()
+    written = os.listdir(tmp_path / "jobs" / "halfway" / "items")
+    assert written  # the full shards were written before it gave up
+    sweep.sweep_once(r, store)
+    assert os.listdir(tmp_path / "jobs" / "halfway" / "items") == []
+    # The whole one's shards were marked due an hour on (ORPHAN): no job was created for it either.
+    assert sweep.sweep_once(r, store, now=time.time() + blobs.ORPHAN + 1) >= 1
+    assert os.listdir(tmp_path / "jobs" / "whole" / "items") == []
+    r.close()
+    server.stop()
