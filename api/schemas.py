@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from worker.engine.sampling_params import SamplingParams, per_item
 from worker.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
@@ -39,6 +39,21 @@ class JobRequest(JobInput):
         "batch metadata; stored and returned as is"))
     run_at: Annotated[AwareDatetime, Field(strict=False)] | None = Field(
         None, description="start no earlier than this (ISO 8601 with a zone)")
+    input_file_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "instead of items: a file uploaded with purpose `dataset`, one item per line (api/dataset.py); "
+        "`sampling_params` is then one object, the lines' defaults"))
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        """Items, or a file of them (JobInput's check for the items)."""
+        if self.input_file_id is None:
+            return JobInput._one_input(self)
+        given = [k for k in (*KINDS, "custom_ids") if getattr(self, k) is not None]
+        if given:
+            raise ValueError(f"input_file_id: the items are the file's; give no {given[0]}")
+        if isinstance(self.sampling_params, list):
+            raise ValueError("sampling_params: one object with input_file_id (a line's own override it)")
+        return self
 
     @field_validator("run_at")
     @classmethod

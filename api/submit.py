@@ -14,9 +14,12 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
-from results import events, keys, progress, store
+from results import blobs, events, keys, progress, store
+from worker import shards
 
-from . import jobs, streams
+from . import dataset, jobs, streams
+from .openai import files
+from .openai.errors import OpenAIError
 from worker.spec import JobSpec
 
 from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobList, JobRequest, ResultsPage, Status
@@ -81,21 +84,52 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 def submit(req: JobRequest, request: Request, response: Response,
            idempotency_key: str | None = Header(None, max_length=256, description=(
                "a retried POST with the same key (and body) returns the same job"))):
-    """Submit a batch job. Returns at once; the job runs when a worker takes it."""
-    st = _state(request)
-    spec = req.spec()
-    _check_limits(req, spec, st.settings)
+    """Submit a batch job: its items, or `input_file_id` naming a file of them. Returns once
+    the job is queued (a file: once every line is checked and laid out); the job runs when
+    a worker takes it."""
+    st, tenant = _state(request), request.state.tenant
     idempotency = None
     if idempotency_key is not None:
         idempotency = (idempotency_key, hashlib.sha256(req.model_dump_json().encode()).hexdigest())
     try:
-        body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency,
-                           tenant=request.state.tenant, store=st.blobs)
+        if req.input_file_id is not None:
+            body = _submit_file(st, req, idempotency, tenant)
+        else:
+            spec = req.spec()
+            _check_limits(req, spec, st.settings)
+            body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency, tenant=tenant,
+                               store=st.blobs)
     except jobs.Claimed as e:
         body = _replay(st.redis, e.stored, idempotency[1])
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{body['id']}"
     return body
+
+
+def _submit_file(st, req: JobRequest, idempotency, tenant) -> dict:
+    """A job whose items are a dataset file's lines (api/dataset.py)."""
+    try:
+        f = files.get(st.redis, req.input_file_id, tenant)
+    except OpenAIError:
+        f = None
+    if f is None or f["purpose"] != "dataset":
+        why = "no such file" if f is None else f"a {f['purpose']!r} file, not a 'dataset' one"
+        raise RequestValidationError([{"loc": ("body", "input_file_id"), "type": "value_error",
+                                       "msg": f"{why} (upload it with POST /v1/files, purpose dataset)"}])
+    if idempotency is not None:  # before reading the file again
+        stored = st.redis.get(keys.idempotency(idempotency[0], tenant.id if tenant else None))
+        if stored is not None:
+            raise jobs.Claimed(json.loads(stored))
+    job_id = jobs.new_id()
+    builder = shards.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)
+    try:
+        planned = dataset.plan(blobs.lines(files.content(st.redis, st.blobs, f["id"], tenant)), req, st.settings,
+                               builder, _check_limits)
+    except BaseException:
+        builder.abandon()
+        raise
+    return jobs.create(st.redis, planned, st.settings, req.priority, req.run_at, req.metadata, job_id,
+                       idempotency, tenant)
 
 
 @router.get("/jobs", response_model=JobList)

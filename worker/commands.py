@@ -108,10 +108,6 @@ def cmd_worker(args) -> None:
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
     settings = Settings.from_env()
-    try:  # before the model loads: a worker that cannot read its jobs' items stops at once
-        blobs.same_store(redis.Redis.from_url(args.redis_url), blobs.open_store(settings.storage_url))
-    except redis.RedisError as e:
-        logging.getLogger("fanout.worker").warning("cannot check the blob store against Redis yet: %s", e)
     engine = Engine(args.model, engine_config(args))
     r = engine.runner
     logging.getLogger("fanout.worker").info(
@@ -119,6 +115,10 @@ def cmd_worker(args) -> None:
         args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
         r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
+    try:  # a worker that could not read its jobs' items stops here, before taking any
+        blobs.same_store(redis.Redis.from_url(args.redis_url), blobs.open_store(settings.storage_url))
+    except redis.RedisError as e:
+        logging.getLogger("fanout.worker").warning("cannot check the blob store against Redis yet: %s", e)
     consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), settings,
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval,

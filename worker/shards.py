@@ -5,7 +5,8 @@ At submit the job is cut into shards of about FANOUT_SHARD_SAMPLES samples
 (worker.spec.plan) and its items go to its item list, one element per shard (the JSON
 array of its items' entries), or, past FANOUT_ITEMS_STORE_BYTES, to the blob store, one
 object per shard (items_blob). A shard travels as an rq job `<job id>-<k>` whose arguments
-name the job and k; its worker reads element k, or object k. A job keeps at most `window` shards queued: the first ones are enqueued at
+name the job and k; its worker reads element k, or object k. A job keeps at most `window`
+shards queued: the first ones are enqueued at
 submit and every claim releases the next, so a job of a million items holds a window of
 the queue, and jobs of one priority take turns (a job submitted behind a huge one waits
 for `window` of its shards to be taken, not for all of them).

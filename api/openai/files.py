@@ -140,17 +140,19 @@ def _chunks(f) -> Iterator[bytes]:
 
 @router.post("/files", response_model=FileObject)
 async def upload(request: Request, file: UploadFile = File(description="JSONL, one request per line"),
-                 purpose: str = Form(description="`batch`"),
+                 purpose: str = Form(description="`batch`, or `dataset` (extension)"),
                  anchor: str | None = Form(None, alias="expires_after[anchor]", description="`created_at`"),
                  seconds: int | None = Form(None, alias="expires_after[seconds]", ge=3600, le=30 * 24 * 3600)):
-    """Upload a batch input file: every line is validated (400 names the lines at fault)."""
+    """Upload a batch input file (every line is validated: 400 names the lines at fault), or
+    a native job's items (`purpose: dataset`, extension; checked by the job that names it)."""
     st = request.app.state
     unknown = sorted(set((await request.form()).keys()) - FORM)
     if unknown:
         raise OpenAIError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
                           "unsupported_parameter")
-    if purpose != "batch":
-        raise OpenAIError(400, f"purpose {purpose!r}: only 'batch' files are supported here", "purpose")
+    if purpose not in ("batch", "dataset"):
+        raise OpenAIError(400, f"purpose {purpose!r}: 'batch' files are supported here, and 'dataset' "
+                               "(extension: a native job's items, POST /v1/jobs input_file_id)", "purpose")
     if (anchor is None) != (seconds is None) or anchor not in (None, "created_at"):
         raise OpenAIError(400, "expires_after: give anchor 'created_at' and seconds", "expires_after")
     # The form parser spooled the upload to a temporary file (to disk past 1 MiB).
@@ -161,8 +163,9 @@ async def upload(request: Request, file: UploadFile = File(description="JSONL, o
     quota = tenant.limits.get("file_bytes") if tenant else None
 
     def check_and_save():
-        batchinput.check(blobs.lines(_chunks(file.file)), st.settings)
-        return save(st.redis, st.blobs, _chunks(file.file), file.filename or "batch.jsonl", "batch",
+        if purpose == "batch":  # a dataset's lines are checked by the job that names it
+            batchinput.check(blobs.lines(_chunks(file.file)), st.settings)
+        return save(st.redis, st.blobs, _chunks(file.file), file.filename or f"{purpose}.jsonl", purpose,
                     _tenant_id(tenant), seconds, quota=quota)
 
     try:

@@ -321,7 +321,8 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output"]
+    purpose: Literal["batch", "batch_output", "dataset"] = Field(description=(
+        "`dataset` (extension): a native job's items, named by POST /v1/jobs `input_file_id`"))
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None

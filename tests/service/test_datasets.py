@@ -1,0 +1,91 @@
+"""Native datasets: a job naming a file of items (POST /v1/files purpose `dataset`, then
+POST /v1/jobs `input_file_id`) runs as the same items in a body would, past the body's item
+cap, with its items in the blob store; bad lines are named."""
+import json
+import os
+
+import httpx
+import pytest
+
+from conftest import wait_for
+from results import keys
+
+
+def upload(api_url, lines, purpose="dataset") -> str:
+    data = "".join((x if isinstance(x, str) and x.startswith("!") else json.dumps(x)).lstrip("!") + "\n"
+                   for x in lines).encode()
+    r = httpx.post(api_url + "/v1/files", files={"file": ("items.jsonl", data)}, data={"purpose": purpose})
+    assert r.status_code == 200, r.text
+    assert r.json()["purpose"] == purpose
+    return r.json()["id"]
+
+
+def finished(api_url, job_id, timeout=120) -> list[dict]:
+    wait_for(lambda: httpx.get(f"{api_url}/v1/jobs/{job_id}").json()["status"] in ("succeeded", "failed"),
+             timeout, "the job to end")
+    info = httpx.get(f"{api_url}/v1/jobs/{job_id}").json()
+    assert info["status"] == "succeeded", info
+    return httpx.get(f"{api_url}/v1/jobs/{job_id}/results", params={"limit": 1000}).json()["items"]
+
+
+def test_a_dataset_job_runs_as_the_same_items_in_a_body(api_url, worker, redis, storage_dir):
+    prompts = [f"dataset line {i}" for i in range(100)]  # past FANOUT_MAX_BATCH (64 here): no cap for a file
+    own = {"n": 2, "temperature": 0.8, "seed": 3}
+    lines = [{"prompt": p, "custom_id": f"c{i}", **({"sampling_params": own} if i == 7 else {})}
+             for i, p in enumerate(prompts)]
+    file_id = upload(api_url, lines)
+    shared = {"max_new_tokens": 4, "temperature": 0}
+    r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id, "sampling_params": shared, "seed": 5})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["items"] == 100 and job["seed"] == 5
+    got = finished(api_url, job["id"])
+    assert [it["custom_id"] for it in got] == [f"c{i}" for i in range(100)]
+    assert [len(it["samples"]) for it in got] == [2 if i == 7 else 1 for i in range(100)]
+    assert not redis.exists(keys.items(job["id"]))
+    assert os.listdir(storage_dir / "jobs" / job["id"] / "items")
+    # The same items in bodies (64 at most per body): the same samples, the sampled line's too.
+    params = [{**shared, **(own if i == 7 else {})} for i in range(100)]
+    for lo in (0, 50):
+        body = {"prompts": prompts[lo:lo + 50], "sampling_params": params[lo:lo + 50], "seed": 5}
+        ref = finished(api_url, httpx.post(api_url + "/v1/jobs", json=body).json()["id"])
+        for i, it in enumerate(ref):
+            if lo + i != 7:  # greedy: the same whatever the index
+                assert it["samples"][0]["token_ids"] == got[lo + i]["samples"][0]["token_ids"]
+            else:  # its own seed: the same samples wherever it sits
+                assert [s["token_ids"] for s in it["samples"]] == [s["token_ids"] for s in got[7]["samples"]]
+
+
+def test_bad_lines_are_named_and_no_job_is_made(api_url, worker):
+    lines = [{"prompt": "fine"}, "!{not json", {"prompt": ""}, {"prompt": "x", "sampling_params": {"top_p": 7}},
+             {"prompt": "x", "sampling_params": {"max_new_tokens": 5000}}, {"prompt": "x", "custom_id": "a"},
+             {"prompt": "y", "custom_id": "a"}, {"input_ids": [1, 2]}, {"prompt": "x", "extra": 1}]
+    file_id = upload(api_url, lines)
+    before = httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"]
+    r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id})
+    assert r.status_code == 422, r.text
+    errors = {tuple(e["loc"][:3]): e for e in r.json()["detail"]}
+    assert set(errors) == {("body", "input_file_id", n) for n in (2, 3, 4, 5, 7, 8, 9)}, r.json()
+    assert errors[("body", "input_file_id", 3)]["loc"][3:] == ["prompt"]
+    assert errors[("body", "input_file_id", 4)]["loc"][3:] == ["sampling_params", "top_p"]
+    assert "FANOUT_MAX_NEW_TOKENS" in errors[("body", "input_file_id", 5)]["msg"]
+    assert "used by an earlier line" in errors[("body", "input_file_id", 7)]["msg"]
+    assert "same field as the first" in errors[("body", "input_file_id", 8)]["msg"]
+    assert errors[("body", "input_file_id", 9)]["loc"][3:] == ["extra"]
+    assert httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"] == before
+
+
+@pytest.mark.parametrize("case", ["unknown", "batch purpose", "items too"])
+def test_input_file_id_refusals_name_the_field(api_url, worker, case):
+    body = {"input_file_id": "file-nope"}
+    if case == "batch purpose":
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "llama", "prompt": "x"}}
+        body["input_file_id"] = upload(api_url, [line], purpose="batch")
+    if case == "items too":
+        body["prompts"] = ["a"]
+    r = httpx.post(api_url + "/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    (e,) = r.json()["detail"]
+    assert e["loc"][:2] == ["body", "input_file_id"] or "input_file_id" in e["msg"], e
+    assert {"unknown": "no such file", "batch purpose": "not a 'dataset' one",
+            "items too": "give no prompts"}[case] in e["msg"]
