@@ -88,12 +88,16 @@ def submit(req: JobRequest, request: Request, response: Response,
     the job is queued (a file: once every line is checked and laid out); the job runs when
     a worker takes it."""
     st, tenant = _state(request), request.state.tenant
+    f = _dataset_file(st, req, tenant) if req.input_file_id is not None else None
     idempotency = None
     if idempotency_key is not None:
-        idempotency = (idempotency_key, hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        # A dataset job's is its file's content, not its id: the same lines uploaded again (a
+        # resumed `fanout submit`) with the same fields are the same job.
+        same = req.model_copy(update={"input_file_id": f"sha256:{f.get('sha256')}"}) if f else req
+        idempotency = (idempotency_key, hashlib.sha256(same.model_dump_json().encode()).hexdigest())
     try:
-        if req.input_file_id is not None:
-            body = _submit_file(st, req, idempotency, tenant)
+        if f is not None:
+            body = _submit_file(st, req, f, idempotency, tenant)
         else:
             spec = req.spec()
             _check_limits(req, spec, st.settings)
@@ -106,8 +110,8 @@ def submit(req: JobRequest, request: Request, response: Response,
     return body
 
 
-def _submit_file(st, req: JobRequest, idempotency, tenant) -> dict:
-    """A job whose items are a dataset file's lines (api/dataset.py)."""
+def _dataset_file(st, req: JobRequest, tenant) -> dict:
+    """The file `input_file_id` names: 422 unless it is one of this key's dataset files."""
     try:
         f = files.get(st.redis, req.input_file_id, tenant)
     except OpenAIError:
@@ -116,9 +120,14 @@ def _submit_file(st, req: JobRequest, idempotency, tenant) -> dict:
         why = "no such file" if f is None else f"a {f['purpose']!r} file, not a 'dataset' one"
         raise RequestValidationError([{"loc": ("body", "input_file_id"), "type": "value_error",
                                        "msg": f"{why} (upload it with POST /v1/files, purpose dataset)"}])
-    if idempotency is not None:  # before reading the file again
+    return f
+
+
+def _submit_file(st, req: JobRequest, f: dict, idempotency, tenant) -> dict:
+    """A job whose items are a dataset file's lines (api/dataset.py)."""
+    if idempotency is not None:
         stored = st.redis.get(keys.idempotency(idempotency[0], tenant.id if tenant else None))
-        if stored is not None:
+        if stored is not None:  # before reading the file
             raise jobs.Claimed(json.loads(stored))
     job_id = jobs.new_id()
     builder = shards.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)

@@ -9,6 +9,7 @@ connection), fetch results.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,11 +34,15 @@ class JobFailed(RuntimeError):
 def _check(r: httpx.Response) -> Any:
     if r.status_code >= 400:
         try:
-            detail = r.json().get("detail")
+            body = r.json()
+            detail = body.get("detail") or (body.get("error") or {}).get("message")  # native, OpenAI's
         except ValueError:
             detail = r.text
         raise ApiError(r.status_code, detail)
     return r.json()
+
+
+LONG = 3600.0  # seconds: an upload, or a job checking a dataset file's lines
 
 
 class Client:
@@ -59,9 +64,21 @@ class Client:
         """POST /v1/jobs with `body` (or keyword fields: prompts=..., sampling_params=...).
         Returns {id, status, stream, seed, items, replayed}."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        r = self.http.post("/v1/jobs", json={**(body or {}), **fields}, headers=headers)
+        # A job naming a dataset file answers once every line is checked: give it time.
+        body = {**(body or {}), **fields}
+        r = self.http.post("/v1/jobs", json=body, headers=headers,
+                           timeout=LONG if "input_file_id" in body else httpx.USE_CLIENT_DEFAULT)
         # `replayed`: the key was used before with this body; this is that job.
         return {**_check(r), "replayed": r.headers.get("Idempotent-Replayed") == "true"}
+
+    def upload(self, path: str, purpose: str = "dataset") -> dict:
+        """POST /v1/files: the file at `path`, streamed from disk; returns its object."""
+        with open(path, "rb") as f:
+            return _check(self.http.post("/v1/files", files={"file": (os.path.basename(path), f)},
+                                         data={"purpose": purpose}, timeout=LONG))
+
+    def delete_file(self, file_id: str) -> dict:
+        return _check(self.http.delete(f"/v1/files/{file_id}"))
 
     def status(self, job_id: str) -> dict:
         return _check(self.http.get(f"/v1/jobs/{job_id}"))

@@ -25,6 +25,7 @@ from worker.commands import (cmd_api, cmd_cancel, cmd_cron, cmd_generate, cmd_ke
 from worker.flags import (ENGINE_OPTIONS, ENV, WORKER_OPTIONS, add_options, default_device, metadata_arg,
                           model_flag, sampling_flags)
 from worker.redis_server import RedisStartError, default_data_dir
+from worker.settings import Settings
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -148,6 +149,10 @@ examples:
                         "again follows the job it made)")
     p.add_argument("--new", action="store_true", help="submit a new job even if this file and these flags "
                                                       "made one before")
+    p.add_argument("--upload", action="store_true", help="send the items as a dataset file (POST /v1/files, "
+                   "then a job naming it) rather than in the job's body: no item cap or body limit; the "
+                   f"default past {Settings().max_batch:,} items or {Settings().max_body_bytes >> 20} MiB "
+                   "(the API's default limits)")
     p.add_argument("--stream", action="store_true", help="print samples (JSONL) as they finish")
     p.add_argument("--out", default=None, help="write the results here instead of stdout: JSONL, or "
                                                "Parquet for a *.parquet path (one row per item, input order)")

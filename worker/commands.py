@@ -21,6 +21,7 @@ import redis
 from api import batchfile, tenants
 from results import blobs, events
 from worker import logs
+from worker.settings import Settings
 from worker.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
 
 def job_body(path: str, args) -> dict[str, Any]:
@@ -100,7 +101,6 @@ def served_name(model: str) -> str:
 
 
 def cmd_worker(args) -> None:
-    from worker.settings import Settings
     from worker.consumer import Consumer
     from worker.engine import Engine
 
@@ -169,8 +169,11 @@ def cmd_submit(args) -> None:
         body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
     spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
     key = args.idempotency_key or (None if args.new else submit_key(body))
+    # Past a body's default limits (or asked): the items go up as a dataset file instead.
+    d = Settings()
+    upload = args.upload or spec.size > d.max_batch or len(json.dumps(body)) > d.max_body_bytes
     with Client(args.url, api_key=args.api_key) as client:
-        job = client.submit(body, idempotency_key=key)
+        job = _submit_dataset(client, body, key) if upload else client.submit(body, idempotency_key=key)
         again = " (submitted before with this file and these flags: following it; --new submits " \
                 "another)" if job.get("replayed") else ""
         print(f"job {job['id']} ({job['items']} items, seed {job['seed']}){again}", file=sys.stderr)
@@ -200,6 +203,33 @@ def cmd_submit(args) -> None:
             raise SystemExit(f"job {job['id']} {info['status']}: {info['error']}")
         if not args.stream:
             batchfile.write_results(client.iter_results(job["id"]), args.out or sys.stdout)
+
+
+def _submit_dataset(client, body: dict, key: str | None) -> dict:
+    """Submit `body` as a dataset: its items written to a JSONL file (one line each, with its
+    own sampling params and custom id), uploaded, and a job naming it. A replayed job (the
+    same content and flags: api/submit.py) keeps its own file; this upload is deleted."""
+    kind = next(k for k in batchfile.FIELDS.values() if k in body)
+    field = next(f for f, k in batchfile.FIELDS.items() if k == kind)
+    sp, ids = body["sampling_params"], body.get("custom_ids")
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="fanout-dataset-", delete=False) as f:
+        for i, item in enumerate(body[kind]):
+            line = {field: item}
+            if isinstance(sp, list):
+                line["sampling_params"] = sp[i]
+            if ids and ids[i] is not None:
+                line["custom_id"] = ids[i]
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    try:
+        file_id = client.upload(f.name, "dataset")["id"]
+    finally:
+        os.unlink(f.name)
+    job = client.submit({"input_file_id": file_id, "sampling_params": sp if isinstance(sp, dict) else {},
+                         **{k: body[k] for k in ("seed", "priority", "run_at", "metadata") if k in body}},
+                        idempotency_key=key)
+    if job["replayed"]:
+        client.delete_file(file_id)
+    return job
 
 
 def cmd_status(args) -> None:

@@ -11,6 +11,7 @@ deleted first, its bytes after: keys.blobs_due says when, and every API process'
 once it is back, and bytes a process wrote before dying, with no object, are too."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -52,14 +53,14 @@ def writing(redis, file_id: str) -> None:
 
 
 def record(redis, store, file_id: str, size: int, filename: str, purpose: str, tenant_id: str | None,
-           ttl: int | None, quota: int | None = None) -> dict:
+           ttl: int | None, quota: int | None = None, sha256: str | None = None) -> dict:
     """The object of a file whose bytes are in the store (under `file_id`: again replaces
     it); returns it. `quota`: the tenant's file_bytes limit, checked against its live files
     of this purpose in the same transaction (OverLimit past it; the bytes are then swept)."""
     now = int(time.time())
     obj = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
            "purpose": purpose, "status": "processed", "expires_at": now + ttl if ttl else None,
-           "status_details": None}
+           "status_details": None, "sha256": sha256}
     listed = keys.files(tenant_id)
     with redis.pipeline() as pipe:
         while True:
@@ -87,13 +88,16 @@ def record(redis, store, file_id: str, size: int, filename: str, purpose: str, t
 
 def save(redis, store, chunks: Iterable[bytes], filename: str, purpose: str, tenant_id: str | None,
          ttl: int | None, quota: int | None = None) -> dict:
-    """A new file of these bytes; returns its object."""
+    """A new file of these bytes; returns its object, with `sha256` (kept in Redis, not
+    shown: a dataset job's idempotency is its content's, api/submit.py)."""
     file_id = "file-" + uuid.uuid4().hex
     writing(redis, file_id)
+    digest = hashlib.sha256()
     with store.writer(blob(file_id)) as w:
         for chunk in chunks:
+            digest.update(chunk)
             w.write(chunk)
-    return record(redis, store, file_id, w.size, filename, purpose, tenant_id, ttl, quota)
+    return record(redis, store, file_id, w.size, filename, purpose, tenant_id, ttl, quota, digest.hexdigest())
 
 
 def _held(pipe, listed: str, purpose: str) -> int:

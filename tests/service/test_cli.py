@@ -155,6 +155,30 @@ def test_submit_status_results(tmp_path, api_url, worker, capsys):
     main(["cancel", running, "--url", api_url])
 
 
+def test_submit_upload_sends_a_dataset_and_a_rerun_follows_its_job(tmp_path, api_url, worker, capsys):
+    import httpx
+    tag = uuid.uuid4().hex
+    src = write_lines(tmp_path / "up.jsonl", [{"prompt": f"{tag} {i}", "custom_id": f"u{i}",
+                                               **({"sampling_params": {"n": 2}} if i == 1 else {})} for i in range(3)])
+    flags = ["--url", api_url, "--max-new-tokens", "3", "--temperature", "0", "--upload"]
+
+    def datasets():
+        return [f["id"] for f in httpx.get(api_url + "/v1/files", params={"purpose": "dataset"}).json()["data"]]
+
+    out = tmp_path / "first.jsonl"
+    main(["submit", src, *flags, "--out", str(out)])
+    first = re.search(r"job (\w+) ", capsys.readouterr().err).group(1)
+    items = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [it["custom_id"] for it in items] == ["u0", "u1", "u2"] and [len(it["samples"]) for it in items] == [1, 2, 1]
+    uploaded = datasets()
+    again = tmp_path / "again.jsonl"
+    main(["submit", src, *flags, "--out", str(again)])
+    err = capsys.readouterr().err
+    assert f"job {first} (3 items" in err and "submitted before" in err
+    assert datasets() == uploaded  # the second upload was deleted: the job has its own file
+    assert again.read_text() == out.read_text()
+
+
 def test_a_gguf_is_served_by_its_name_without_the_quantization(tmp_path):
     for file, name in (("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
                        ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
