@@ -82,20 +82,31 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
             yield where, obj
 
 
+def item_field(obj: Any, kind: str | None) -> tuple[dict, str]:
+    """(the item as an object, its input field: prompt, input_ids or messages): exactly one,
+    of the kind of the items before it (`kind`; None for the first). A bare JSON string is a
+    prompt. BatchFileError says what is wrong, without where."""
+    if isinstance(obj, str):
+        obj = {"prompt": obj}
+    given = [k for k in FIELDS if k in obj] if isinstance(obj, dict) else []
+    if len(given) != 1:
+        raise BatchFileError("give exactly one of prompt, input_ids, messages")
+    if kind not in (None, FIELDS[given[0]]):
+        raise BatchFileError("every item must use the same field as the first")
+    return obj, given[0]
+
+
 def read(path: str) -> tuple[str, list, list[dict | None], list[str | None]]:
     """(kind: prompts / input_ids / messages, items, per-item sampling params or None,
     per-item custom ids or None)."""
     kind, items, params, custom = None, [], [], []
     for where, obj in (_parquet_rows if is_parquet(path) else _jsonl_rows)(path):
-        if isinstance(obj, str):
-            obj = {"prompt": obj}
-        given = [k for k in FIELDS if k in obj] if isinstance(obj, dict) else []
-        if len(given) != 1:
-            raise BatchFileError(f"{where}: give exactly one of prompt, input_ids, messages")
-        if kind not in (None, FIELDS[given[0]]):
-            raise BatchFileError(f"{where}: every item must use the same field as the first")
-        kind = FIELDS[given[0]]
-        items.append(obj[given[0]])
+        try:
+            obj, field = item_field(obj, kind)
+        except BatchFileError as e:
+            raise BatchFileError(f"{where}: {e}") from None
+        kind = FIELDS[field]
+        items.append(obj[field])
         params.append(obj.get("sampling_params"))
         custom.append(obj.get("custom_id"))
     if not items:

@@ -6,7 +6,7 @@ uploaded with `POST /v1/files` and `purpose: dataset` (extension), and named by 
 
 The job is read from the blob store as a stream: each line checked as the one item of a
 native body would be (its own `sampling_params` over the job's, the configured limits),
-and laid out by shard into the store as the lines come (shards.Builder). So the body limit
+and laid out by shard into the store as the lines come (items.Builder). So the body limit
 and FANOUT_MAX_BATCH do not apply, and the API process holds a few shards' items and, per
 line, its custom id and n. Errors name the line: 422, `loc` ["body", "input_file_id",
 LINE, ...the field in the line's item].
@@ -20,11 +20,11 @@ from typing import Iterable
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from worker import shards
+from worker import items
 from worker.settings import Settings
 
 from . import jobs
-from .batchfile import FIELDS
+from .batchfile import FIELDS, BatchFileError, item_field
 from .schemas import UNION_TAGS, JobRequest
 
 MAX_ERRORS = 20
@@ -35,11 +35,9 @@ def _loc(n: int, loc) -> list:
     return ["body", "input_file_id", n, *(p for p in loc if p not in UNION_TAGS)]
 
 
-def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: shards.Builder,
-         check_limits) -> jobs.Planned:
+def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: items.Builder) -> jobs.Planned:
     """The job of `req` (which names its input file) from the file's lines, laid out by
-    `builder`; RequestValidationError naming the lines at fault (MAX_ERRORS at most).
-    `check_limits(one_item_request, its_spec, settings)` is the native route's check."""
+    `builder`; RequestValidationError naming the lines at fault (MAX_ERRORS at most)."""
     shared = req.sampling_params.model_dump(mode="json", exclude_defaults=True)
     shared_seed = shared.pop("seed", None)  # the job seed: each line's samples draw from (seed, index, sample)
     seed = req.seed if req.seed is not None else shared_seed
@@ -59,18 +57,13 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: s
         except (ValueError, RecursionError) as e:
             error(n, f"not JSON: {e}", kind_="json_invalid")
             continue
-        if isinstance(obj, str):
-            obj = {"prompt": obj}
-        given = [k for k in FIELDS if k in obj] if isinstance(obj, dict) else []
-        if len(given) != 1:
-            error(n, "give exactly one of prompt, input_ids, messages")
+        try:
+            obj, field = item_field(obj, kind)
+        except BatchFileError as e:
+            error(n, str(e))
             continue
         if unknown := sorted(set(obj) - LINE_FIELDS):
             error(n, "extra field not permitted", (unknown[0],), "extra_forbidden")
-            continue
-        field = given[0]
-        if kind not in (None, FIELDS[field]):
-            error(n, f"every line must use the same field as the first ({kind})", (field,))
             continue
         own = obj.get("sampling_params") or {}
         custom_id = obj.get("custom_id")
@@ -81,7 +74,7 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: s
             one = JobRequest.model_validate({FIELDS[field]: [obj[field]], "sampling_params": [{**shared, **own}],
                                              "custom_ids": [custom_id]})
             spec = one.spec(seed=0)
-            check_limits(one, spec, settings)
+            jobs.check_limits(one, spec, settings)  # the native route's
         except ValidationError as e:
             for x in e.errors()[:3]:
                 loc = [p for p in x["loc"] if p not in UNION_TAGS]

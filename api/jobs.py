@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from redis.exceptions import WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -23,7 +24,7 @@ from rq.serializers import JSONSerializer
 from results import blobs, events, keys, progress, publisher
 from results import listing as results_listing
 
-from worker import shards
+from worker import items, shards
 from worker.settings import Settings
 from worker.spec import QUEUES, JobSpec
 
@@ -50,6 +51,37 @@ class Claimed(Exception):
         self.stored = stored
 
 
+def check_limits(req: JobRequest, spec: JobSpec, settings) -> None:
+    """The limits that depend on configuration; 422 naming the field, like pydantic's."""
+    errors = []
+    if req.size > settings.max_batch:
+        errors.append({"loc": ("body", req.kind), "type": "too_long",
+                       "msg": f"{req.size} items, over the limit of {settings.max_batch} (FANOUT_MAX_BATCH)"})
+    per_item = isinstance(req.sampling_params, list)
+    for i, p in enumerate(spec.sampling_params if per_item else spec.sampling_params[:1]):
+        loc = ("body", "sampling_params") + ((i,) if per_item else ())
+        if p.max_new_tokens > settings.max_new_tokens:
+            errors.append({"loc": loc + ("max_new_tokens",), "type": "less_than_equal",
+                           "msg": f"{p.max_new_tokens} is over the limit of {settings.max_new_tokens} "
+                                  "(FANOUT_MAX_NEW_TOKENS)"})
+        if p.n > settings.max_n:
+            errors.append({"loc": loc + ("n",), "type": "less_than_equal",
+                           "msg": f"{p.n} is over the limit of {settings.max_n} (FANOUT_MAX_N)"})
+        if len(errors) >= 10:
+            break
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def check_claim(redis, idempotency: tuple[str, str] | None, tenant: Tenant | None) -> None:
+    """Claimed if the idempotency key was claimed already: a look before costly work (the
+    submit's transaction checks again)."""
+    if idempotency is not None:
+        stored = redis.get(keys.idempotency(idempotency[0], tenant.id if tenant else None))
+        if stored is not None:
+            raise Claimed(json.loads(stored))
+
+
 @dataclass(slots=True)
 class Planned:
     """A job ready to be created: what its keys and shards need, its items laid out by
@@ -59,13 +91,13 @@ class Planned:
     tokens: int  # the most it may generate: the sum of n * max_new_tokens
     seed: int
     custom_ids: list[str | None] | None
-    lay: shards.Layout
+    lay: items.Layout
 
     @classmethod
     def of(cls, spec: JobSpec, settings: Settings) -> "Planned":
         return cls(spec.kind, [p.n for p in spec.sampling_params],
                    sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
-                   shards.layout(spec, settings))
+                   items.layout(spec, settings))
 
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
@@ -109,13 +141,13 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
         slots = keys.inflight(tenant.id) if tenant else None
         claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
         if in_store:
-            if lay.chunks is not None and claim and (stored := redis.get(claim)) is not None:
-                raise Claimed(json.loads(stored))  # before writing what that job already has
+            if lay.chunks is not None:
+                check_claim(redis, idempotency, tenant)  # before writing what that job already has
             # Due once the job has expired (api/sweep.py), or at once if it is not created (below);
             # due before they are written, so a process that dies meanwhile leaves nothing behind.
             redis.zadd(keys.blobs_due(), {m: time.time() + lasts for m in due})
             if lay.chunks is not None:
-                shards.store_items(store, job_id, lay)
+                items.store_items(store, job_id, lay)
         listed = keys.jobs(tenant.id if tenant else None)
         info["listed"] = listed  # the status scripts move it between its listing's indexes
         if tenant:

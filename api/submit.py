@@ -15,12 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 
 from results import blobs, events, keys, progress, store
-from worker import shards
+from worker import items
 
 from . import dataset, jobs, streams
 from .openai import files
 from .openai.errors import OpenAIError
-from worker.spec import JobSpec
 
 from .schemas import Canceled, ErrorOut, JobCreated, JobInfo, JobList, JobRequest, ResultsPage, Status
 
@@ -41,28 +40,6 @@ def _state(request: Request):
 
 def _not_found(job_id: str) -> HTTPException:
     return HTTPException(404, f"job not found: {job_id}")
-
-
-def _check_limits(req: JobRequest, spec: JobSpec, settings) -> None:
-    """The limits that depend on configuration; 422 naming the field, like pydantic's."""
-    errors = []
-    if req.size > settings.max_batch:
-        errors.append({"loc": ("body", req.kind), "type": "too_long",
-                       "msg": f"{req.size} items, over the limit of {settings.max_batch} (FANOUT_MAX_BATCH)"})
-    per_item = isinstance(req.sampling_params, list)
-    for i, p in enumerate(spec.sampling_params if per_item else spec.sampling_params[:1]):
-        loc = ("body", "sampling_params") + ((i,) if per_item else ())
-        if p.max_new_tokens > settings.max_new_tokens:
-            errors.append({"loc": loc + ("max_new_tokens",), "type": "less_than_equal",
-                           "msg": f"{p.max_new_tokens} is over the limit of {settings.max_new_tokens} "
-                                  "(FANOUT_MAX_NEW_TOKENS)"})
-        if p.n > settings.max_n:
-            errors.append({"loc": loc + ("n",), "type": "less_than_equal",
-                           "msg": f"{p.n} is over the limit of {settings.max_n} (FANOUT_MAX_N)"})
-        if len(errors) >= 10:
-            break
-    if errors:
-        raise RequestValidationError(errors)
 
 
 def _replay(redis, stored: dict, body_hash: str) -> dict:
@@ -100,7 +77,7 @@ def submit(req: JobRequest, request: Request, response: Response,
             body = _submit_file(st, req, f, idempotency, tenant)
         else:
             spec = req.spec()
-            _check_limits(req, spec, st.settings)
+            jobs.check_limits(req, spec, st.settings)
             body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency, tenant=tenant,
                                store=st.blobs)
     except jobs.Claimed as e:
@@ -125,15 +102,12 @@ def _dataset_file(st, req: JobRequest, tenant) -> dict:
 
 def _submit_file(st, req: JobRequest, f: dict, idempotency, tenant) -> dict:
     """A job whose items are a dataset file's lines (api/dataset.py)."""
-    if idempotency is not None:
-        stored = st.redis.get(keys.idempotency(idempotency[0], tenant.id if tenant else None))
-        if stored is not None:  # before reading the file
-            raise jobs.Claimed(json.loads(stored))
+    jobs.check_claim(st.redis, idempotency, tenant)  # before reading the file
     job_id = jobs.new_id()
-    builder = shards.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)
+    builder = items.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)
     try:
         planned = dataset.plan(blobs.lines(files.content(st.redis, st.blobs, f["id"], tenant)), req, st.settings,
-                               builder, _check_limits)
+                               builder)
     except BaseException:
         builder.abandon()
         raise

@@ -13,7 +13,7 @@ import anyio
 import redis as redis_lib
 
 from results import blobs, keys
-from worker import shards
+from worker import items
 
 from .openai import files
 
@@ -36,7 +36,7 @@ def _owner(member: str) -> tuple[str, list[str]]:
     if kind == "file":
         return keys.file(rest), [files.blob(rest)]
     job_id, start, end = rest.split(":")
-    return keys.info(job_id), [shards.items_blob(job_id, k) for k in range(int(start), int(end))]
+    return keys.info(job_id), [items.items_blob(job_id, k) for k in range(int(start), int(end))]
 
 
 def sweep_once(redis, store: blobs.Store, now: float | None = None) -> int:

@@ -20,6 +20,8 @@ import uuid
 from typing import Iterable, Iterator
 from urllib.parse import urlparse
 
+from . import keys
+
 CHUNK = 1 << 20  # bytes per chunk read
 ORPHAN = 3600  # seconds: what is being written gets this long to get its owner (a file's object, a job), or is swept
 PART = 8 << 20  # bytes per S3 part (S3's least is 5 MiB): a writer holds at most this much
@@ -40,8 +42,6 @@ class OtherStore(ValueError):
 def same_store(redis, store) -> None:
     """At an API process's or a worker's start: its store is the one the others of this
     Redis use (the first one's, in keys.storage), or OtherStore, which stops it."""
-    from . import keys
-
     redis.set(keys.storage(), store.url, nx=True)
     used = (redis.get(keys.storage()) or b"").decode()
     if used != store.url:

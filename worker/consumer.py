@@ -55,7 +55,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from results import blobs, keys, store
 from results.publisher import Batch
 
-from . import reaper, shards
+from . import items, reaper, shards
 from .outage import REDIS_DOWN, Outages
 from .publish import Active, Publishing
 from .engine import Engine, EngineError
@@ -431,7 +431,7 @@ class Consumer(Outages, Publishing, BaseWorker):
             entries = self.connection.lindex(keys.items(c.job_id), c.k)
         else:
             try:
-                entries = b"".join(self.blobs.get(shards.items_blob(c.job_id, c.k)))
+                entries = b"".join(self.blobs.get(items.items_blob(c.job_id, c.k)))
             except blobs.Missing:
                 entries = None
         if entries is None:

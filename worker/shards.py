@@ -4,7 +4,7 @@
 At submit the job is cut into shards of about FANOUT_SHARD_SAMPLES samples
 (worker.spec.plan) and its items go to its item list, one element per shard (the JSON
 array of its items' entries), or, past FANOUT_ITEMS_STORE_BYTES, to the blob store, one
-object per shard (items_blob). A shard travels as an rq job `<job id>-<k>` whose arguments
+object per shard (worker/items.py). A shard travels as an rq job `<job id>-<k>` whose arguments
 name the job and k; its worker reads element k, or object k. A job keeps at most `window`
 shards queued: the first ones are enqueued at
 submit and every claim releases the next, so a job of a million items holds a window of
@@ -32,8 +32,6 @@ job that was canceled or failed: nothing writes to its stream after it.
 from __future__ import annotations
 
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable
@@ -47,10 +45,11 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import as_text
 
-from results import blobs, events, keys, listing, progress, publisher, store
+from results import events, keys, listing, progress, publisher, store
 
 from .settings import Settings
-from .spec import JOB_FUNC, QUEUES, Cut, JobSpec, plan
+from .items import Layout
+from .spec import JOB_FUNC, QUEUES
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
@@ -157,102 +156,6 @@ def _rq_job(q: Queue, job_id: str, k: int, timeout: int, scheduled: bool = False
     return q.create_job(JOB_FUNC, kwargs={"job": job_id, "shard": k}, job_id=shard_id(job_id, k),
                         timeout=timeout, result_ttl=0, description=f"fanout job {job_id}, shard {k}",
                         status=JobStatus.SCHEDULED if scheduled else JobStatus.QUEUED)
-
-
-@dataclass(slots=True)
-class Layout:
-    """A job cut into shards: shard k holds items [bounds[k], bounds[k + 1]), its entries one
-    JSON array in chunks[k] (None: they are in the blob store already, Builder); `shared`:
-    the sampling parameters all items share, or None."""
-    bounds: list[int]
-    chunks: list[str] | None
-    shared: str | None
-
-    @property
-    def total(self) -> int:
-        return len(self.bounds) - 1
-
-    @property
-    def size(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
-
-def layout(spec: JobSpec, settings: Settings) -> Layout:
-    entries, shared = spec.layout()
-    bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
-    # One array per shard: a shard reads one value, and a 100,000-item job is a few
-    # thousand values to send, not 100,000.
-    return Layout(bounds, ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(len(bounds) - 1)],
-                  shared)
-
-
-def items_blob(job_id: str, k: int) -> str:
-    """Shard k's items in the blob store, for a job that keeps them there."""
-    return f"jobs/{job_id}/items/{k}.json"
-
-
-STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
-
-
-def _put(store, key: str, chunk: str) -> None:
-    with store.writer(key) as w:
-        w.write(chunk.encode())
-
-
-def store_items(store, job_id: str, lay: Layout) -> None:
-    """Before the submit's transaction: each shard's items to the blob store."""
-    with ThreadPoolExecutor(STORE_THREADS) as pool:
-        for _ in pool.map(lambda k: _put(store, items_blob(job_id, k), lay.chunks[k]), range(lay.total)):
-            pass  # the first failure raises here
-
-
-class Builder:
-    """A job's shards laid out as its items come (a file read line by line), each written to
-    the blob store once full: the process holds a few shards' entries, not the job's. Every
-    DUE_EVERY shards, before writing them, they are marked due (keys.blobs_due) ORPHAN
-    seconds on: the job, once created, keeps them (the sweep finds its keys); a process
-    that died midway leaves nothing behind."""
-    DUE_EVERY = 256
-
-    def __init__(self, redis, store, job_id: str, samples: int):
-        self.redis, self.store, self.job_id = redis, store, job_id
-        self.cut, self.bounds, self.entries, self.count = Cut(samples), [0], [], 0
-        self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
-
-    def add(self, entry: str, n: int) -> None:
-        """The next item: its entry (JobSpec.layout's form) and its samples."""
-        if self.cut.add(n):
-            self._flush()
-            self.bounds.append(self.count)
-        self.entries.append(entry)
-        self.count += 1
-
-    def _flush(self) -> None:
-        k = len(self.bounds) - 1
-        if k % self.DUE_EVERY == 0:
-            self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, k, k + self.DUE_EVERY):
-                                               time.time() + blobs.ORPHAN})
-        key = items_blob(self.job_id, k)
-        self.pending.append(self.pool.submit(_put, self.store, key, "[" + ",".join(self.entries) + "]"))
-        self.entries = []
-        if len(self.pending) >= 2 * STORE_THREADS:  # bounded: wait for the oldest write
-            self.pending.pop(0).result()
-
-    def finish(self) -> Layout:
-        """Write the last shard, wait for every write (StoreError if one failed)."""
-        try:
-            if self.entries:
-                self._flush()
-            for f in self.pending:
-                f.result()
-        finally:
-            self.pool.shutdown(cancel_futures=True)
-        return Layout(self.bounds + [self.count], None, None)
-
-    def abandon(self) -> None:
-        """Given up (an invalid line): no more writes, and those made swept at once."""
-        self.pool.shutdown(cancel_futures=True)
-        self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, 0, len(self.bounds)): 0})
 
 
 def create(pipe, q: Queue, job_id: str, kind: str, lay: Layout, settings: Settings,

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from redis.exceptions import WatchError
 
 from results import blobs, keys, progress, store
-from worker import shards
+from worker import items
 from worker.settings import Settings
 
 from .. import jobs
@@ -165,7 +165,7 @@ def create(body: BatchCreate, request: Request):
 
     # The file is read as a stream and the job laid out by shard into the blob store as its
     # lines come: this process holds one shard's items, and per line its custom id and n.
-    builder = shards.Builder(redis, st.blobs, job_id, settings.shard_samples)
+    builder = items.Builder(redis, st.blobs, job_id, settings.shard_samples)
     try:
         try:
             # The job's own fields, checked as a native job's are (run_at after 1970).
@@ -323,10 +323,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
             # because the batch was cancelled or expired first).
             "request_counts": {"total": record["request_counts"]["total"], "completed": counts["output"],
                                "failed": counts["error"]},
-            "usage": {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                      "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": usage["total_tokens"]}}
+            "usage": usage}
     for name, w in (("output", output), ("error", errors)):
         if counts[name]:
             if not lease.renew():
@@ -344,14 +341,14 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
 def _lines(redis, record: dict, ending: str, lease: Lease, output: blobs.Writer,
            errors: blobs.Writer) -> tuple[dict, dict]:
     """Write the output and error lines from the job's stored samples, a page at a time
-    (the lease renewed at each); returns the count of each and the usage summed over the
-    output."""
+    (the lease renewed at each); returns the count of each and the batch's usage (summed
+    over the output)."""
     job_id = _job_id(record["id"])
     chat = record["endpoint"] == "/v1/chat/completions"
     make = bodies.chat_completion if chat else bodies.text_completion
     info = progress.read(redis, job_id)
     ns, created = (info["ns"] if info else []), int(time.time())
-    counts, usage = {"output": 0, "error": 0}, bodies.usage([])
+    counts, prompt, cached, completion = {"output": 0, "error": 0}, 0, 0, 0
 
     def write(to, name: str, line: dict) -> None:
         to.write(json.dumps(line).encode() + b"\n")
@@ -379,9 +376,12 @@ def _lines(redis, record: dict, ending: str, lease: Lease, output: blobs.Writer,
                 code, message = LOST[ending if ending in LOST else "failed"]
                 write(errors, "error", {**line, "response": None, "error": {"code": code, "message": message}})
         page = bodies.usage(answered)
-        usage = {k: ({"cached_tokens": usage[k]["cached_tokens"] + v["cached_tokens"]} if isinstance(v, dict)
-                     else usage[k] + v) for k, v in page.items()}
-    return counts, usage
+        prompt += page["prompt_tokens"]
+        cached += page["prompt_tokens_details"]["cached_tokens"]
+        completion += page["completion_tokens"]
+    return counts, {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                    "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": prompt + completion}
 
 
 async def sweep(state) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import ValidationError
 
-from worker import shards
+from worker import items
 from worker.engine.sampling_params import SamplingParams
 from worker.settings import Settings
 from worker.spec import CustomId
@@ -137,7 +137,7 @@ def _params(body, settings: Settings) -> SamplingParams:
 
 
 def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]],
-         builder: shards.Builder) -> tuple["jobs.Planned", str]:
+         builder: items.Builder) -> tuple["jobs.Planned", str]:
     """The native job of a batch, one item per line, laid out by `builder` (into the blob
     store) as the lines come: (the job, its model). Raises Invalid when a line does not fit
     the batch (another url, a model not served, mixed kinds of prompt, an image its model's

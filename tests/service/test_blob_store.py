@@ -161,11 +161,11 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     assert not there("file-orphan") and there(later["id"])
     assert r.zscore(keys.blobs_due(), keys.due_file(later["id"])) > time.time() + 3000
     # A job's items: deleted once its keys are gone (it expired, or its submit failed), not before.
-    from worker import shards
+    from worker import items
     for job_id in ("gone", "alive"):
         r.zadd(keys.blobs_due(), {keys.due_job(job_id, 0, 2): 0})
         for k in range(2):
-            with store.writer(shards.items_blob(job_id, k)) as w:
+            with store.writer(items.items_blob(job_id, k)) as w:
                 w.write(b"[]")
     r.hset(keys.info("alive"), "total", 1)
     r.expire(keys.info("alive"), 600)
@@ -250,23 +250,23 @@ def test_the_builder_cuts_as_plan_does_and_what_an_abandoned_one_wrote_is_swept(
 
     from api import sweep
     from results import blobs
-    from worker import shards
+    from worker import items
     from worker.spec import plan
 
     server = EmbeddedRedis()
     r = redis_lib.Redis.from_url(server.url)
     store = blobs.open_store(str(tmp_path))
     ns = [1, 3, 2, 1, 1, 5, 1, 2]
-    b = shards.Builder(r, store, "whole", 3)
+    b = items.Builder(r, store, "whole", 3)
     for i, n in enumerate(ns):
         b.add(json.dumps({"x": f"p{i}"}), n)
     lay = b.finish()
     assert lay.bounds == plan(ns, 3) and lay.chunks is None
     for k in range(lay.total):
-        got = json.loads(b"".join(store.get(shards.items_blob("whole", k))))
+        got = json.loads(b"".join(store.get(items.items_blob("whole", k))))
         assert got == [{"x": f"p{i}"} for i in range(lay.bounds[k], lay.bounds[k + 1])]
     # Given up after four items (an invalid line): what it wrote is due at once.
-    b = shards.Builder(r, store, "halfway", 3)
+    b = items.Builder(r, store, "halfway", 3)
     for i, n in enumerate(ns[:4]):
         b.add(json.dumps({"x": i}), n)
     b.abandon()

@@ -1,0 +1,111 @@
+"""A job's items laid out by shard (the shard rule: worker.spec.plan): one JSON array of
+item entries per shard, kept in the job's Redis list (worker/shards.py) or, for a large
+job, in the blob store, one object per shard (items_blob), written at submit
+(store_items) or as a file's lines are read (Builder). A worker reads its shard's back
+(worker/consumer.py)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from results import blobs, keys
+
+from .settings import Settings
+from .spec import Cut, JobSpec, plan
+
+
+@dataclass(slots=True)
+class Layout:
+    """A job cut into shards: shard k holds items [bounds[k], bounds[k + 1]), its entries one
+    JSON array in chunks[k] (None: they are in the blob store already, Builder); `shared`:
+    the sampling parameters all items share, or None."""
+    bounds: list[int]
+    chunks: list[str] | None
+    shared: str | None
+
+    @property
+    def total(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def size(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def layout(spec: JobSpec, settings: Settings) -> Layout:
+    entries, shared = spec.layout()
+    bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
+    # One array per shard: a shard reads one value, and a 100,000-item job is a few
+    # thousand values to send, not 100,000.
+    return Layout(bounds, ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(len(bounds) - 1)],
+                  shared)
+
+
+def items_blob(job_id: str, k: int) -> str:
+    """Shard k's items in the blob store, for a job that keeps them there."""
+    return f"jobs/{job_id}/items/{k}.json"
+
+
+STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
+
+
+def _put(store, key: str, chunk: str) -> None:
+    with store.writer(key) as w:
+        w.write(chunk.encode())
+
+
+def store_items(store, job_id: str, lay: Layout) -> None:
+    """Before the submit's transaction: each shard's items to the blob store."""
+    with ThreadPoolExecutor(STORE_THREADS) as pool:
+        for _ in pool.map(lambda k: _put(store, items_blob(job_id, k), lay.chunks[k]), range(lay.total)):
+            pass  # the first failure raises here
+
+
+class Builder:
+    """A job's shards laid out as its items come (a file read line by line), each written to
+    the blob store once full: the process holds a few shards' entries, not the job's. Every
+    DUE_EVERY shards, before writing them, they are marked due (keys.blobs_due) ORPHAN
+    seconds on: the job, once created, keeps them (the sweep finds its keys); a process
+    that died midway leaves nothing behind."""
+    DUE_EVERY = 256
+
+    def __init__(self, redis, store, job_id: str, samples: int):
+        self.redis, self.store, self.job_id = redis, store, job_id
+        self.cut, self.bounds, self.entries, self.count = Cut(samples), [0], [], 0
+        self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
+
+    def add(self, entry: str, n: int) -> None:
+        """The next item: its entry (JobSpec.layout's form) and its samples."""
+        if self.cut.add(n):
+            self._flush()
+            self.bounds.append(self.count)
+        self.entries.append(entry)
+        self.count += 1
+
+    def _flush(self) -> None:
+        k = len(self.bounds) - 1
+        if k % self.DUE_EVERY == 0:
+            self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, k, k + self.DUE_EVERY):
+                                               time.time() + blobs.ORPHAN})
+        key = items_blob(self.job_id, k)
+        self.pending.append(self.pool.submit(_put, self.store, key, "[" + ",".join(self.entries) + "]"))
+        self.entries = []
+        if len(self.pending) >= 2 * STORE_THREADS:  # bounded: wait for the oldest write
+            self.pending.pop(0).result()
+
+    def finish(self) -> Layout:
+        """Write the last shard, wait for every write (StoreError if one failed)."""
+        try:
+            if self.entries:
+                self._flush()
+            for f in self.pending:
+                f.result()
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+        return Layout(self.bounds + [self.count], None, None)
+
+    def abandon(self) -> None:
+        """Given up (an invalid line): no more writes, and those made swept at once."""
+        self.pool.shutdown(cancel_futures=True)
+        self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, 0, len(self.bounds)): 0})
