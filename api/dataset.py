@@ -42,7 +42,7 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
     shared_seed = shared.pop("seed", None)  # the job seed: each line's samples draw from (seed, index, sample)
     seed = req.seed if req.seed is not None else shared_seed
     errors, kind, seen = [], None, set()
-    ns, custom, tokens = [], [], 0
+    tokens = 0
 
     def error(n: int, msg: str, loc=(), kind_="value_error") -> None:
         errors.append({"loc": _loc(n, loc), "msg": msg, "type": kind_})
@@ -102,13 +102,12 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
         p = spec.sampling_params[0]
         item = spec.model_dump(mode="json", include={kind})[kind][0] if kind == "messages" else spec.items[0]
         builder.add(json.dumps({"x": item, "p": p.model_dump(mode="json", exclude_defaults=True)},
-                               separators=(",", ":")), p.n)
-        ns.append(p.n)
-        custom.append(custom_id)
+                               separators=(",", ":")), p.n, custom_id)
         tokens += p.n * p.max_new_tokens
-    if not errors and not ns:
+    if not errors and not len(builder.ns):
         errors.append({"loc": ["body", "input_file_id"], "msg": "the file has no items", "type": "too_short"})
     if errors:
         raise RequestValidationError(errors)
-    return jobs.Planned(kind, ns, tokens, seed if seed is not None else random.getrandbits(63),
-                        custom if any(c is not None for c in custom) else None, builder.finish())
+    # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
+    return jobs.Planned(kind, builder.ns, tokens, seed if seed is not None else random.getrandbits(63),
+                        None, builder.finish())

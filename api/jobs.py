@@ -87,7 +87,7 @@ class Planned:
     """A job ready to be created: what its keys and shards need, its items laid out by
     shard (in lay.chunks, or in the blob store already when lay.chunks is None)."""
     kind: str
-    ns: list[int]  # samples per item
+    ns: progress.Ns  # samples per item
     tokens: int  # the most it may generate: the sum of n * max_new_tokens
     seed: int
     custom_ids: list[str | None] | None
@@ -95,7 +95,7 @@ class Planned:
 
     @classmethod
     def of(cls, spec: JobSpec, settings: Settings) -> "Planned":
-        return cls(spec.kind, [p.n for p in spec.sampling_params],
+        return cls(spec.kind, progress.Ns.of(p.n for p in spec.sampling_params),
                    sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
                    items.layout(spec, settings))
 
@@ -132,7 +132,7 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
         status = "scheduled" if run_at else "queued"
         wait = max(0, int((run_at - datetime.now(timezone.utc)).total_seconds())) if run_at else 0
         q = queue(redis, priority)
-        info = {"total": size, "samples": sum(ns), "ns": json.dumps(ns), "seed": planned.seed,
+        info = {"total": size, "samples": ns.samples, "ns": ns.encode(), "seed": planned.seed,
                 "priority": priority, "metadata": json.dumps(metadata or {}), "state": status,
                 "created_at": progress.timestamp()}
         if run_at:

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from results import keys
+from results import events, keys
 
 log = logging.getLogger("fanout.api")
 
@@ -49,11 +49,6 @@ def tenant_id(request) -> str | None:
     """The follower's tenant (None in open mode): its key is looked up while it follows."""
     tenant = request.state.tenant
     return tenant.id if tenant is not None else None
-
-
-def _pos(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _text(v) -> str:
@@ -180,7 +175,7 @@ class Hub:
             while True:
                 streams = {self.wake_key: self.wake_last}
                 for key, subs in self.subs.items():
-                    streams[key] = min((f.given for f in subs), key=_pos)
+                    streams[key] = min((f.given for f in subs), key=events.pos)
                 try:
                     got = await self.reader.xread(streams, count=COUNT, block=BLOCK_MS)
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
@@ -205,12 +200,12 @@ class Hub:
         if key == self.wake_key:
             self.wake_last = _text(entries[-1][0])
             return
-        start = _pos(since)
+        start = events.pos(since)
         for f in list(self.subs.get(key, ())):
-            at = _pos(f.given)
+            at = events.pos(f.given)
             if at < start:
                 continue
-            new = [(i, fields) for i, fields in entries if _pos(_text(i)) > at]
+            new = [(i, fields) for i, fields in entries if events.pos(_text(i)) > at]
             if not new:
                 continue
             try:

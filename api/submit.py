@@ -141,7 +141,8 @@ def get_job(job_id: str, request: Request):
 def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
                 limit: int = Query(100, ge=1, le=1000)):
     """Finished samples, by item index; `next_offset` is null on the last page."""
-    redis = _state(request).redis
+    st = _state(request)
+    redis = st.redis
     try:
         jobs.owned(redis, job_id, request.state.tenant)
         status, _ = jobs.status_of(redis, job_id)
@@ -150,7 +151,7 @@ def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
         info = None
     if info is None:
         raise _not_found(job_id)
-    items = store.page(redis, job_id, info["ns"], offset, limit)
+    items = store.page(redis, st.blobs, job_id, info, offset, limit)
     end = offset + limit
     return {"id": job_id, "status": status, "offset": offset, "limit": limit, "total": info["total"],
             "next_offset": end if end < info["total"] else None, "items": items}
@@ -198,15 +199,19 @@ async def job_events(job_id: str, request: Request,
         await anyio.to_thread.run_sync(jobs.status_of, st.redis, job_id)
     except jobs.JobNotFound:
         raise _not_found(job_id) from None
+    # Only a job that keeps its items in the blob store has its stream trimmed (worker/shards.py).
+    trims = await st.aredis.hget(keys.info(job_id), "items_in") == b"store"
 
     key = keys.stream(job_id)
     follower = st.hub.open(key, start, streams.tenant_id(request))  # a 503 past the limit
 
     async def relay():
+        last, told = start, None
         try:
             while True:
                 try:
                     batch = await follower.next(st.settings.sse_keepalive)
+                    trimmed = await _trimmed(st, job_id) if trims and batch else None
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     # Redis or this process is going away (shutdown): end the stream; the
                     # client resumes with Last-Event-ID on another API process.
@@ -220,8 +225,10 @@ async def job_events(job_id: str, request: Request,
                     if done and not await follower.read(1):
                         return  # resumed after the terminal entry: the client has the end
                     continue
-                for entry_id, fields in batch:
-                    entry = events.decode(fields)
+                out = [(entry_id, events.decode(fields)) for entry_id, fields in batch]
+                told = events.tell_trimmed(out, last, trimmed, told, job_id)
+                last = out[-1][0]
+                for entry_id, entry in out:
                     yield _sse(entry_id, entry)
                     if events.is_terminal(entry):
                         return
@@ -230,6 +237,14 @@ async def job_events(job_id: str, request: Request,
 
     return StreamingResponse(relay(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _trimmed(st, job_id: str) -> str | None:
+    """The newest entry trimmed off the job's stream (worker/shards.py), read after a batch:
+    a follower whose last entry is older may have missed entries (of shards that finished:
+    their items are in /results)."""
+    trimmed = await st.aredis.hget(keys.info(job_id), "trimmed")
+    return trimmed.decode() if trimmed is not None else None
 
 
 def ended(st, job_id: str) -> bool:

@@ -1,6 +1,6 @@
 """The sweep: every API process, every SWEEP seconds, deletes from the blob store what its
 owner no longer needs (keys.blobs_due): the bytes of a file whose object expired or was
-deleted, and the items of a job that expired, or that was never created (its submit
+deleted, and the items and results of a job that expired, or that was never created (its submit
 failed after writing them). Whatever is due is checked against Redis first: an owner that
 is still there (a file saved again, a job whose keys were kept longer) gets its own expiry
 instead. A store that is down is swept once it is back."""
@@ -13,7 +13,6 @@ import anyio
 import redis as redis_lib
 
 from results import blobs, keys
-from worker import items
 
 from .openai import files
 
@@ -36,7 +35,8 @@ def _owner(member: str) -> tuple[str, list[str]]:
     if kind == "file":
         return keys.file(rest), [files.blob(rest)]
     job_id, start, end = rest.split(":")
-    return keys.info(job_id), [items.items_blob(job_id, k) for k in range(int(start), int(end))]
+    return keys.info(job_id), [blob for k in range(int(start), int(end))
+                               for blob in (keys.items_blob(job_id, k), keys.results_blob(job_id, k))]
 
 
 def sweep_once(redis, store: blobs.Store, now: float | None = None) -> int:

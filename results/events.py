@@ -21,6 +21,17 @@ stays readable.
 
 delta, final and error entries of an item that has a `custom_id` carry it too.
 
+A job that keeps its items in the blob store (past FANOUT_ITEMS_STORE_BYTES, and every
+dataset and batch file) has its stream trimmed as its shards end: it holds the entries of
+the attempts still running (from the oldest one's `attempt` entry on) and the last
+status, not those of finished shards, whose items are in GET /v1/jobs/{id}/results. The
+info hash's `trimmed` is the id of the newest entry dropped. An SSE follower whose last
+entry is older than that is told so, in id order, by a synthetic event (it is never in
+the stream itself):
+
+    type=trimmed  through results                     entries up to `through` may be gone:
+                                                      fetch `results` for the finished items
+
 Rebuilding: concatenate `delta` of the delta and final entries of each (index, sample).
 An `attempt` entry of a shard after its first (`attempt` > 1) means a retry: drop the
 partial deltas of its items' samples that have no final yet (the new attempt regenerates
@@ -37,7 +48,7 @@ import hashlib
 import json
 from typing import Any
 
-ATTEMPT, DELTA, FINAL, ERROR, STATUS = "attempt", "delta", "final", "error", "status"
+ATTEMPT, DELTA, FINAL, ERROR, STATUS, TRIMMED = "attempt", "delta", "final", "error", "status", "trimmed"
 TERMINAL = frozenset({"succeeded", "failed", "canceled"})
 
 _INTS = frozenset({"index", "sample", "attempt", "done", "total", "failed", "shard", "lo", "hi"})
@@ -98,6 +109,30 @@ def status(value: str, **extra: Any) -> dict[str, str]:
     fields = {"type": STATUS, "status": value}
     fields.update({k: str(v) for k, v in extra.items() if v is not None})
     return fields
+
+
+def trimmed(through: str, job_id: str) -> dict[str, str]:
+    return {"type": TRIMMED, "through": through, "results": f"/v1/jobs/{job_id}/results"}
+
+
+def tell_trimmed(out: list[tuple[str, dict]], last: str, newest: str | None, told: str | None,
+                 job_id: str) -> str | None:
+    """A follower's next entries `out` (id, decoded entry), read after `last`; `newest`:
+    the newest entry trimmed (the info hash's `trimmed`), read after them; `told`: the last
+    one the follower was told of. When entries after `last` may be gone, the trimmed event
+    goes into `out`, in id order (after the entries read before that trim). Returns what
+    the follower has now been told of."""
+    if newest is None or newest == told or pos(last) >= pos(newest):
+        return told
+    at = sum(pos(i) <= pos(newest) for i, _ in out)
+    out.insert(at, (newest, trimmed(newest, job_id)))
+    return newest
+
+
+def pos(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("<ms>-<seq>") as a sortable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _s(x: bytes | str) -> str:

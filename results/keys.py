@@ -92,7 +92,7 @@ def blobs_due() -> str:
     """Sorted set of what the blob store may hold past its owner, scored by when the sweep
     (api/sweep.py) may delete it: `file:<id>` (a file's bytes, due when its object expires;
     a deleted file's at once) and `job:<id>:<start>:<end>` (shards [start, end) of a job's
-    items, due when it expires)."""
+    items and results, due when it expires)."""
     return f"{PREFIX}:blobs:due"
 
 
@@ -103,6 +103,24 @@ def due_file(file_id: str) -> str:
 def due_job(job_id: str, start: int, end: int) -> str:
     """Shards [start, end) of a job's items."""
     return f"job:{job_id}:{start}:{end}"
+
+
+def items_blob(job_id: str, k: int) -> str:
+    """In the blob store: shard k's items (JSON array of entries), for a job that keeps its
+    items there (worker/items.py)."""
+    return f"jobs/{job_id}/items/{k}.json"
+
+
+def results_blob(job_id: str, k: int) -> str:
+    """In the blob store: shard k's results once it is done, for a job that keeps its items
+    there (JSONL, one line per item as GET /results gives it: results/store.py)."""
+    return f"jobs/{job_id}/results/{k}.jsonl"
+
+
+def kept(job_id: str) -> str:
+    """Bitmap: bit k set once shard k's results are in the blob store (keys.results_blob)
+    and out of the results hash."""
+    return f"{PREFIX}:job:{job_id}:kept"
 
 
 def files(tenant: str | None) -> str:
@@ -170,4 +188,4 @@ def rate(tenant: str) -> str:
 def all_for(job_id: str) -> list[str]:
     """Every key a job owns (for expiry)."""
     return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id), custom_ids(job_id),
-            items(job_id), shards(job_id), running(job_id)]
+            items(job_id), shards(job_id), running(job_id), kept(job_id)]

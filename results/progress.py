@@ -3,6 +3,7 @@ bumps them in the same transaction that stores the finished samples)."""
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from datetime import datetime, timezone
 from typing import Any
 
@@ -10,6 +11,61 @@ from . import keys
 
 _INTS = ("total", "samples", "done", "failed", "samples_done", "prompt_tokens",
          "cached_tokens", "completion_tokens", "attempt", "seed", "steps", "max_batch_jobs")
+
+
+class Ns:
+    """Samples per item, run-length encoded ([[n, count], ...] in the info hash's `ns`): a
+    million-item job of one `n` is one run, not a million numbers to store and parse."""
+
+    def __init__(self, runs: list[list[int]] | None = None):
+        self.runs = runs or []
+        self.starts, self.size, self.samples = [], 0, 0
+        for n, count in self.runs:
+            self.starts.append(self.size)
+            self.size += count
+            self.samples += n * count
+
+    @classmethod
+    def of(cls, ns) -> "Ns":
+        out = cls()
+        for n in ns:
+            out.append(n)
+        return out
+
+    @classmethod
+    def decode(cls, text: str | None) -> "Ns":
+        raw = json.loads(text) if text else []
+        if raw and isinstance(raw[0], int):  # written by an earlier version: one number per item
+            return cls.of(raw)
+        return cls(raw)
+
+    def encode(self) -> str:
+        return json.dumps(self.runs, separators=(",", ":"))
+
+    def append(self, n: int) -> None:
+        if self.runs and self.runs[-1][0] == n:
+            self.runs[-1][1] += 1
+        else:
+            self.runs.append([n, 1])
+            self.starts.append(self.size)
+        self.size += 1
+        self.samples += n
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.runs[bisect_right(self.starts, i) - 1][0]
+
+    def __iter__(self):
+        for n, count in self.runs:
+            for _ in range(count):
+                yield n
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
 
 
 def timestamp() -> str:
@@ -26,7 +82,9 @@ def decode(raw: dict) -> dict[str, Any]:
     d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
          for k, v in raw.items()}
     out: dict[str, Any] = {k: int(d.get(k, 0) or 0) for k in _INTS}
-    out["ns"] = json.loads(d["ns"]) if "ns" in d else []
+    out["ns"] = Ns.decode(d.get("ns"))
+    out["bounds"] = json.loads(d["bounds"]) if "bounds" in d else []  # shard k: items [bounds[k], bounds[k + 1])
+    out["items_in"] = d.get("items_in")  # "store": the job's items (and done shards' results) are in the blob store
     out["metadata"] = json.loads(d["metadata"]) if "metadata" in d else {}
     out["priority"] = d.get("priority", "normal")
     out["error"] = d.get("error") or None

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 from . import events, keys, listing, progress, store
 
-# KEYS: closed, stream, results, info, cancel, custom_ids, shards, running (all expired),
+# KEYS: closed, stream, results, info, cancel, custom_ids, shards, running, kept (all expired),
 # items (deleted: the input is not needed once the job ended).
 # ARGV: ttl, status, ended_at, job id, field, value, ...
 # A succeeded job has no error: an earlier attempt's (reaped, retried) stays in the stream.
@@ -126,7 +126,7 @@ def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
           keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),
-          keys.items(job_id)]
+          keys.kept(job_id), keys.items(job_id)]
     return [len(ks), *ks, *argv]
 
 

@@ -11,22 +11,30 @@ from . import events, keys
 
 def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
            block_ms: int = 1000) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (entry id, entry) after `last_id` until the job's terminal status entry.
-    Raises TimeoutError if that takes longer than `timeout` seconds. `block_ms` must stay
-    under the client's socket timeout (redis-py's default: 5 s), or an idle XREAD times out."""
+    """Yield (entry id, entry) after `last_id` until the job's terminal status entry, and
+    the trimmed event (results/events.py) where entries after the last one yielded may be
+    gone. Raises TimeoutError if that takes longer than `timeout` seconds. `block_ms` must
+    stay under the client's socket timeout (redis-py's default: 5 s), or an idle XREAD
+    times out."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    key = keys.stream(job_id)
+    key, told = keys.stream(job_id), None
     while True:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id}: no terminal status within {timeout}s")
         resp = redis.xread({key: last_id}, count=1000, block=block_ms)
-        for _, entries in resp or []:
-            for entry_id, fields in entries:
-                last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                entry = events.decode(fields)
-                yield last_id, entry
-                if events.is_terminal(entry):
-                    return
+        if not resp:
+            continue
+        out = [(_text(i), events.decode(f)) for i, f in resp[0][1]]
+        newest = redis.hget(keys.info(job_id), "trimmed")
+        told = events.tell_trimmed(out, last_id, newest and _text(newest), told, job_id)
+        for last_id, entry in out:
+            yield last_id, entry
+            if events.is_terminal(entry):
+                return
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 @dataclass(slots=True)

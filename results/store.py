@@ -1,4 +1,6 @@
-"""Finished samples, one Redis hash per job (field "index:sample" -> JSON record).
+"""Finished samples, one Redis hash per job (field "index:sample" -> JSON record); for a
+job that keeps its items in the blob store, each done shard's in one object there instead
+(`keep`), so Redis holds the results of the shards in flight, not of the job.
 
 The worker writes a record before it announces the sample on the stream, so
 `GET /v1/jobs/{id}/results` and a retried attempt can rely on it.
@@ -6,9 +8,10 @@ The worker writes a record before it announces the sample on the stream, so
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from typing import Any
 
-from . import keys
+from . import blobs, keys
 
 
 def sample_record(text: str, token_ids: list[int], finish_reason: str, usage: dict | None,
@@ -32,7 +35,7 @@ def put(redis, job_id: str, index: int, sample: int, record: dict) -> None:
     redis.hset(keys.results(job_id), f"{index}:{sample}", json.dumps(record))
 
 
-def stored(redis, job_id: str, ns: list[int], lo: int, hi: int) -> set[tuple[int, int]]:
+def stored(redis, job_id: str, ns, lo: int, hi: int) -> set[tuple[int, int]]:
     """(index, sample) pairs of items [lo, hi) already stored: a retried shard skips them."""
     pairs = [(i, j) for i in range(lo, hi) for j in range(ns[i])]
     if not pairs:
@@ -41,20 +44,84 @@ def stored(redis, job_id: str, ns: list[int], lo: int, hi: int) -> set[tuple[int
     return {p for p, v in zip(pairs, have) if v is not None}
 
 
-def page(redis, job_id: str, ns: list[int], offset: int, limit: int) -> list[dict[str, Any]]:
-    """Items [offset, offset + limit) in index order, each with its custom_id (None without
-    one) and its stored samples."""
-    indices = range(offset, min(offset + limit, len(ns)))
-    fields = [f"{i}:{j}" for i in indices for j in range(ns[i])]
+def _fields(ns, lo: int, hi: int) -> list[str]:
+    return [f"{i}:{j}" for i in range(lo, hi) for j in range(ns[i])]
+
+
+def _from_redis(redis, job_id: str, ns, lo: int, hi: int, custom: list[str | None] | None) -> list[dict[str, Any]]:
+    """Items [lo, hi) from the results hash; `custom`: their custom ids (None: none)."""
+    fields = _fields(ns, lo, hi)
     values = redis.hmget(keys.results(job_id), fields) if fields else []
-    custom = [c.decode() for c in redis.lrange(keys.custom_ids(job_id), offset, indices.stop - 1)] if indices else []
     items, pos = [], 0
-    for i in indices:
+    for i in range(lo, hi):
         samples = []
         for j in range(ns[i]):
             raw = values[pos]
             pos += 1
             if raw is not None:
                 samples.append({"sample": j, **json.loads(raw)})
-        items.append({"index": i, "custom_id": custom[i - offset] or None if custom else None, "samples": samples})
+        items.append({"index": i, "custom_id": custom[i - lo] if custom else None, "samples": samples})
+    return items
+
+
+def keep(redis, blob_store, job_id: str, ns, k: int, lo: int, hi: int, custom: list[str | None] | None):
+    """A done shard's results into the blob store (keys.results_blob; StoreError if it
+    cannot take them). Returns what its settle transaction adds (`on_pipe`): the records
+    out of the results hash and the shard marked kept, so a reader finds them in one place
+    or the other, never neither."""
+    items = _from_redis(redis, job_id, ns, lo, hi, custom)
+    with blob_store.writer(keys.results_blob(job_id, k)) as w:
+        for item in items:
+            w.write(json.dumps(item).encode() + b"\n")
+    fields = _fields(ns, lo, hi)
+
+    def on_pipe(pipe) -> None:
+        pipe.setbit(keys.kept(job_id), k, 1)
+        if fields:
+            pipe.hdel(keys.results(job_id), *fields)
+    return on_pipe
+
+
+def _kept(blob_store, job_id: str, k: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in blobs.lines(blob_store.get(keys.results_blob(job_id, k)))]
+
+
+def _custom_ids(redis, blob_store, job_id: str, info: dict, k: int, lo: int, hi: int) -> list[str | None] | None:
+    """Items [lo, hi) of shard k: their custom ids from the job's list, or from the entries
+    of the shard's items in the blob store (items.Builder); None when they have none."""
+    first = info["bounds"][k]
+    custom = [c.decode() or None for c in redis.lrange(keys.custom_ids(job_id), lo, hi - 1)]
+    if custom or info.get("items_in") != "store":
+        return custom or None
+    try:
+        rows = json.loads(b"".join(blob_store.get(keys.items_blob(job_id, k))))
+    except blobs.Missing:  # the job expired meanwhile
+        return None
+    rows = rows[lo - first:hi - first]
+    return [r.get("c") for r in rows] if any("c" in r for r in rows) else None
+
+
+def page(redis, blob_store, job_id: str, info: dict, offset: int, limit: int) -> list[dict[str, Any]]:
+    """Items [offset, offset + limit) in index order, each with its custom_id (None without
+    one) and its stored samples: from the results hash, or, for the shards kept in the blob
+    store (keep), from their objects there. `info`: the job's (progress.read)."""
+    ns = info["ns"]
+    end = min(offset + limit, len(ns))
+    if offset >= end:
+        return []
+    if info.get("items_in") != "store":
+        custom = [c.decode() or None for c in redis.lrange(keys.custom_ids(job_id), offset, end - 1)]
+        return _from_redis(redis, job_id, ns, offset, end, custom)
+    bounds = info["bounds"]
+    first = bisect_right(bounds, offset) - 1
+    last = bisect_left(bounds, end)  # shards [first, last) hold the page
+    flags = redis.getrange(keys.kept(job_id), first // 8, (last - 1) // 8)
+    items = []
+    for k in range(first, last):
+        lo, hi = max(bounds[k], offset), min(bounds[k + 1], end)
+        byte = flags[k // 8 - first // 8] if k // 8 - first // 8 < len(flags) else 0
+        if byte >> (7 - k % 8) & 1:
+            items += [it for it in _kept(blob_store, job_id, k) if lo <= it["index"] < hi]
+        else:
+            items += _from_redis(redis, job_id, ns, lo, hi, _custom_ids(redis, blob_store, job_id, info, k, lo, hi))
     return items

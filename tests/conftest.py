@@ -27,35 +27,107 @@ def storage_dir(tmp_path_factory):
         os.environ.pop("FANOUT_STORAGE_URL", None)
 
 
+class Cuttable:
+    """A TCP relay on 127.0.0.1:`port` to `target`, that can be cut (its listener and every
+    connection through it closed: connections refused, as a host that went away) and
+    restored: a network outage between real processes and a server that keeps its state."""
+
+    def __init__(self, port: int, target: int):
+        import socket
+        self.port, self.target, self.socket = port, target, socket
+        self.listener, self.conns, self.lock = None, set(), threading.Lock()
+
+    def restore(self):
+        s = self.socket.socket()
+        s.setsockopt(self.socket.SOL_SOCKET, self.socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(64)
+        self.listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def cut(self):
+        try:
+            self.listener.shutdown(self.socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        except OSError:
+            pass
+        self.listener.close()
+        with self.lock:
+            for c in list(self.conns):
+                try:
+                    c.shutdown(self.socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                c.close()
+            self.conns.clear()
+
+    def _accept(self, listener):
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            try:
+                upstream = self.socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns.update((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for c in (src, dst):
+            try:
+                c.shutdown(self.socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class S3Server:
     """moto's S3 server as its own process on 127.0.0.1 (it speaks S3's HTTP API as AWS or
-    MinIO would); `env` points boto3 at it. stop() and start() again: the same port, and
-    an empty store (moto keeps its buckets in memory)."""
+    MinIO would), reached through a Cuttable relay; `env` points boto3 at it. stop() cuts
+    the network to it (connections refused) and start() restores it, with what it held."""
 
     def __init__(self, log_dir):
         from worker.redis_server import free_port
-        self.port, self.log_dir, self.proc = free_port(), log_dir, None
+        self.port, self.inner, self.log_dir, self.proc = free_port(), free_port(), log_dir, None
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                     "AWS_DEFAULT_REGION": "us-east-1"}
+        self.relay = Cuttable(self.port, self.inner)
 
-    def start(self):
+    def launch(self):
         import httpx
         exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
         self.log = open(self.log_dir / "moto.log", "ab")
-        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self.log,
+        self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.inner)], stdout=self.log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(self.url + "/moto-api/", timeout=1)
-                return self
+                httpx.get(f"http://127.0.0.1:{self.inner}/moto-api/", timeout=1)
+                break
             except httpx.TransportError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto_server did not start (exit {self.proc.poll()}): see {self.log.name}")
                 time.sleep(0.1)
+        self.relay.restore()
+        return self
 
     def stop(self):
+        self.relay.cut()
+
+    def start(self):
+        self.relay.restore()
+
+    def close(self):
+        self.relay.cut()
         self.proc.kill()
         self.proc.wait()
         self.log.close()
@@ -68,9 +140,9 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("moto")).start()
+    server = S3Server(tmp_path_factory.mktemp("moto")).launch()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture(scope="session")

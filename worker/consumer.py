@@ -52,10 +52,10 @@ from rq.serializers import JSONSerializer
 from rq.utils import as_text, now
 from rq.worker import BaseWorker, WorkerStatus
 
-from results import blobs, keys, store
+from results import blobs, keys, progress, store
 from results.publisher import Batch
 
-from . import items, reaper, shards
+from . import reaper, shards
 from .outage import REDIS_DOWN, Outages
 from .publish import Active, Publishing
 from .engine import Engine, EngineError
@@ -431,7 +431,7 @@ class Consumer(Outages, Publishing, BaseWorker):
             entries = self.connection.lindex(keys.items(c.job_id), c.k)
         else:
             try:
-                entries = b"".join(self.blobs.get(items.items_blob(c.job_id, c.k)))
+                entries = b"".join(self.blobs.get(keys.items_blob(c.job_id, c.k)))
             except blobs.Missing:
                 entries = None
         if entries is None:
@@ -454,16 +454,32 @@ class Consumer(Outages, Publishing, BaseWorker):
         if not self.active:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
-    def _settle(self, a: Active, outcome: str, error: str | None = None) -> str | None:
-        """End this attempt of the shard in Redis (worker/shards.py), once, across outages."""
+    def _settle(self, a: Active, outcome: str, error: str | None = None, on_pipe=None) -> str | None:
+        """End this attempt of the shard in Redis (worker/shards.py), once, across outages.
+        A job that keeps its items in the blob store has its stream trimmed as shards end."""
         c = a.claim
         return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,
                              self.settings.result_ttl, self.wait_for_redis, error=error,
-                             progressed=a.stored > 0)
+                             progressed=a.stored > 0, on_pipe=on_pipe,
+                             trim=c.info.get("items_in") == "store")
+
+    def _keep(self, a: Active):
+        """A job that keeps its items in the blob store keeps its done shards' results there
+        too (results.store.keep): the settle's writes that move them, or None (a small job;
+        or the store failing: they stay in Redis, where readers find them as well)."""
+        c = a.claim
+        if c.info.get("items_in") != "store":
+            return None
+        try:
+            return self.retrying(store.keep, self.connection, self.blobs, c.job_id,
+                                 progress.Ns.decode(c.info["ns"]), c.k, c.lo, c.hi, a.custom_ids)
+        except blobs.StoreError as e:
+            JobLog(log, c.job_id).warning("shard %d: results kept in Redis: %s", c.k, e)
+            return None
 
     def succeed(self, a: Active) -> None:
         self._done(a)
-        if self._settle(a, shards.DONE) is not None:
+        if self._settle(a, shards.DONE, on_pipe=self._keep(a)) is not None:
             JobLog(log, a.job_id).info("shard %d done", a.claim.k)
             self.metrics.attempt("succeeded")
 

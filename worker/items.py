@@ -1,15 +1,17 @@
 """A job's items laid out by shard (the shard rule: worker.spec.plan): one JSON array of
 item entries per shard, kept in the job's Redis list (worker/shards.py) or, for a large
-job, in the blob store, one object per shard (items_blob), written at submit
+job, in the blob store, one object per shard (keys.items_blob), written at submit
 (store_items) or as a file's lines are read (Builder). A worker reads its shard's back
 (worker/consumer.py)."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from results import blobs, keys
+from results.progress import Ns
 
 from .settings import Settings
 from .spec import Cut, JobSpec, plan
@@ -42,11 +44,6 @@ def layout(spec: JobSpec, settings: Settings) -> Layout:
                   shared)
 
 
-def items_blob(job_id: str, k: int) -> str:
-    """Shard k's items in the blob store, for a job that keeps them there."""
-    return f"jobs/{job_id}/items/{k}.json"
-
-
 STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
 
 
@@ -58,7 +55,7 @@ def _put(store, key: str, chunk: str) -> None:
 def store_items(store, job_id: str, lay: Layout) -> None:
     """Before the submit's transaction: each shard's items to the blob store."""
     with ThreadPoolExecutor(STORE_THREADS) as pool:
-        for _ in pool.map(lambda k: _put(store, items_blob(job_id, k), lay.chunks[k]), range(lay.total)):
+        for _ in pool.map(lambda k: _put(store, keys.items_blob(job_id, k), lay.chunks[k]), range(lay.total)):
             pass  # the first failure raises here
 
 
@@ -73,14 +70,20 @@ class Builder:
     def __init__(self, redis, store, job_id: str, samples: int):
         self.redis, self.store, self.job_id = redis, store, job_id
         self.cut, self.bounds, self.entries, self.count = Cut(samples), [0], [], 0
+        self.ns = Ns()  # the items' samples, as they come
         self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
 
-    def add(self, entry: str, n: int) -> None:
-        """The next item: its entry (JobSpec.layout's form) and its samples."""
+    def add(self, entry: str, n: int, custom_id: str | None = None) -> None:
+        """The next item: its entry (JobSpec.layout's form), its samples and its custom id,
+        which its entry carries ("c"): a dataset's ids stay in the store with its items, not
+        in Redis or in this process."""
         if self.cut.add(n):
             self._flush()
             self.bounds.append(self.count)
+        if custom_id is not None:
+            entry = entry[:-1] + ',"c":' + json.dumps(custom_id) + "}"
         self.entries.append(entry)
+        self.ns.append(n)
         self.count += 1
 
     def _flush(self) -> None:
@@ -88,7 +91,7 @@ class Builder:
         if k % self.DUE_EVERY == 0:
             self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, k, k + self.DUE_EVERY):
                                                time.time() + blobs.ORPHAN})
-        key = items_blob(self.job_id, k)
+        key = keys.items_blob(self.job_id, k)
         self.pending.append(self.pool.submit(_put, self.store, key, "[" + ",".join(self.entries) + "]"))
         self.entries = []
         if len(self.pending) >= 2 * STORE_THREADS:  # bounded: wait for the oldest write

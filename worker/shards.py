@@ -221,7 +221,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
         _forget(redis, job)
         untake(redis, job.id)
         return None
-    bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
+    bounds, ns = json.loads(info["bounds"]), progress.Ns.decode(info["ns"])
     lo, hi = bounds[k], bounds[k + 1]
     stored = store.stored(redis, job_id, ns, lo, hi)
     run, counters = keys.running(job_id), keys.shards(job_id)
@@ -243,6 +243,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 c = _counters(pipe.hgetall(counters))
                 running = pipe.hlen(run)
                 attempt = c.get(f"claims:{k}", 0) + 1
+                since = _now_id(pipe)  # its attempt entry and what follows are at or after this id
                 pipe.multi()
                 execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker)
                 on_pipe(pipe)
@@ -250,7 +251,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 pipe.persist(job.key)
                 pipe.hdel(taken, job.id)
                 pipe.hset(run, k, json.dumps({"worker": worker, "execution": execution.composite_key,
-                                              "stored": len(stored)}))
+                                              "stored": len(stored), "since": since}))
                 pipe.hincrby(counters, f"claims:{k}", 1)
                 pipe.xadd(keys.stream(job_id), events.attempt(attempt, worker, k, lo, hi))
                 pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, progress.timestamp(),
@@ -265,6 +266,29 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
             if execution is not None and holds(redis, job_id, k, execution.composite_key):
                 break  # it applied; only the reply was lost
     return Claim(job_id, k, lo, hi, job, queue, execution, attempt, stored, info)
+
+
+def _now_id(pipe) -> str:
+    """The stream id of Redis's clock now: every entry added later has a greater id."""
+    sec, usec = pipe.time()
+    return f"{sec * 1000 + usec // 1000}-0"
+
+
+def _trim(pipe, job_id: str, k: int) -> tuple[str, str] | None:
+    """Under the settle's WATCH, for a done shard of a job whose results are kept in the
+    blob store: the stream trimmed to the entries of the attempts still running (from the
+    oldest one's start; from now if none is), since what the finished shards wrote is in
+    their kept results. Returns (the MINID to trim to, the newest entry it drops), or None
+    if it drops nothing. The info hash's `trimmed` takes that entry's id: a follower
+    whose last id is older fell behind past it (api/submit.py tells it so)."""
+    sinces = [json.loads(v).get("since") for kk, v in pipe.hgetall(keys.running(job_id)).items() if int(kk) != k]
+    if None in sinces:  # claimed by an earlier version: nothing known of where it starts
+        return None
+    minid = min(sinces, key=events.pos) if sinces else _now_id(pipe)
+    last = pipe.xrevrange(keys.stream(job_id), f"({minid}", "-", count=1)
+    if not last:
+        return None
+    return minid, _text(last[0][0])
 
 
 def _counters(raw: dict) -> dict[str, int]:
@@ -303,14 +327,16 @@ DONE, CANCELED, FAILED, HANDED_BACK, RETRY = "done", "canceled", "failed", "hand
 
 def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: str, result_ttl: int,
            on_outage: Callable, error: str | None = None, progressed: bool = False,
-           on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None) -> str | None:
+           on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None,
+           trim: bool = False) -> str | None:
     """End the attempt `execution` of shard k, in one transaction with its outcome:
     DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike) or RETRY
     (queued again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED
     once the shard has more strikes than the job's retries). Returns the outcome applied
     (RETRY may become FAILED), or None if that attempt no longer held the shard (settled
     meanwhile, e.g. by a reaper). A reaper also watches `watch` and settles only if
-    `still(pipe)` holds under it (the execution is still expired)."""
+    `still(pipe)` holds under it (the execution is still expired). `trim`: DONE trims the
+    job's stream (_trim; its results are kept in the blob store)."""
     run, counters = keys.running(job_id), keys.shards(job_id)
     composite = execution.composite_key
     while True:
@@ -336,7 +362,11 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                     applied = CANCELED  # canceled (or failed elsewhere) meanwhile: nothing to requeue
                 closed = pipe.exists(keys.closed(job_id))
                 counts = totals(redis, job_id)
+                cut = _trim(pipe, job_id, k) if trim and applied == DONE else None
                 pipe.multi()
+                if cut is not None:
+                    pipe.xtrim(keys.stream(job_id), minid=cut[0])
+                    pipe.hset(keys.info(job_id), "trimmed", cut[1])
                 pipe.hdel(run, k)
                 execution.delete(job, pipeline=pipe)
                 if on_pipe is not None:
@@ -356,6 +386,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                 else:
                     pipe.delete(job.key)
                     pipe.hincrby(counters, "ended", 1)
+                    pipe.hdel(counters, f"claims:{k}", f"strikes:{k}")  # the hash holds the shards in flight
                     failed = c.get("failed", 0) or applied == FAILED
                     if applied == FAILED:
                         # The job fails with it: its other shards stop at their next step, and
@@ -400,7 +431,7 @@ def progressed(redis, job_id: str, k: int) -> bool:
     info = _info(redis, job_id)
     if raw is None or info is None:
         return False
-    bounds, ns = json.loads(info["bounds"]), json.loads(info["ns"])
+    bounds, ns = json.loads(info["bounds"]), progress.Ns.decode(info["ns"])
     return len(store.stored(redis, job_id, ns, bounds[k], bounds[k + 1])) > json.loads(raw)["stored"]
 
 

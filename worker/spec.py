@@ -245,10 +245,12 @@ class Shard(JobSpec):
     def read(cls, kind: str, seed: int, shared: str | None, entries: str | bytes, custom_ids: list | None,
              offset: int) -> "Shard":
         """The shard from the JSON array of its items' entries (JobSpec.layout) and its
-        custom ids ("" for none)."""
+        custom ids ("" for none; or, laid out by items.Builder, in the entries: "c")."""
         rows = json.loads(entries)
         if not isinstance(rows, list) or not all(isinstance(r, dict) and "x" in r for r in rows):
             raise ValueError("items: not a list of item entries")
+        if not custom_ids and any("c" in r for r in rows):
+            custom_ids = [r.get("c") for r in rows]
         common = json.loads(shared) if shared is not None else None
         return cls.model_validate({
             kind: [r["x"] for r in rows], "seed": seed, "offset": offset,

@@ -313,7 +313,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
     for file_id in ids.values():
         files.writing(redis, file_id)
     with blob_store.writer(files.blob(ids["output"])) as output, blob_store.writer(files.blob(ids["error"])) as errors:
-        counts, usage = _lines(redis, record, ending, lease, output, errors)
+        counts, usage = _lines(redis, blob_store, record, ending, lease, output, errors)
         if not counts["output"]:
             output.abort()
         if not counts["error"]:
@@ -338,7 +338,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
                    lease)
 
 
-def _lines(redis, record: dict, ending: str, lease: Lease, output: blobs.Writer,
+def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lease, output: blobs.Writer,
            errors: blobs.Writer) -> tuple[dict, dict]:
     """Write the output and error lines from the job's stored samples, a page at a time
     (the lease renewed at each); returns the count of each and the batch's usage (summed
@@ -358,7 +358,7 @@ def _lines(redis, record: dict, ending: str, lease: Lease, output: blobs.Writer,
         if not lease.renew():
             raise LostLease(record["id"])
         answered = []
-        for item in store.page(redis, job_id, ns, offset, 1000):
+        for item in store.page(redis, blob_store, job_id, info, offset, 1000):
             i, samples = item["index"], item["samples"]
             line = {"id": f"batch_req_{job_id}_{i}", "custom_id": item["custom_id"]}
             request_id = f"req_{job_id}_{i}"

@@ -145,7 +145,7 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]
     take ([] for a text model). Each line keeps its own sampling parameters; the job seed
     is new (a line's own `seed` still fixes its samples)."""
     errors, model, kind = [], None, None
-    ns, custom, tokens = [], [], 0
+    tokens = 0
     for r in requests:
         model = model or r.body.model
         error = _misfit(r, endpoint, served, model)
@@ -163,13 +163,12 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]
         kind = its_kind
         p = r.params
         builder.add(json.dumps({"x": item, "p": p.model_dump(mode="json", exclude_defaults=True)},
-                               separators=(",", ":")), p.n)
-        ns.append(p.n)
-        custom.append(r.custom_id)
+                               separators=(",", ":")), p.n, r.custom_id)
         tokens += p.n * p.max_new_tokens
     if errors:
         raise Invalid(errors)
-    return jobs.Planned(kind, ns, tokens, random.getrandbits(63), custom, builder.finish()), model
+    # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
+    return jobs.Planned(kind, builder.ns, tokens, random.getrandbits(63), None, builder.finish()), model
 
 
 def _misfit(r: Request, endpoint: str, served: dict[str, list[str]], model: str) -> LineError | None:

@@ -105,7 +105,6 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
         assert "create the batch again" in failed.errors.data[0].message
     finally:
         s3_server.start()
-    s3_server.client().create_bucket(Bucket=bucket)  # moto's buckets lived in its memory: an empty store back
 
     lines = [chat_line(f"q{i}", f"question {i}", max_tokens=300, temperature=0, ignore_eos=True) for i in range(6)]
     f = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
@@ -122,7 +121,6 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
         assert "blob store" in proc.tail() and "unreachable" in proc.tail()
     finally:
         s3_server.start()
-    s3_server.client().create_bucket(Bucket=bucket)
     b = wait(oai, b.id, ("completed",), timeout=30)  # the next sweeps, a second apart
     out = read_lines(oai, b.output_file_id)
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
@@ -160,18 +158,21 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     assert sweep.sweep_once(r, store, now=time.time() + blobs.ORPHAN + 1) == 1
     assert not there("file-orphan") and there(later["id"])
     assert r.zscore(keys.blobs_due(), keys.due_file(later["id"])) > time.time() + 3000
-    # A job's items: deleted once its keys are gone (it expired, or its submit failed), not before.
-    from worker import items
+    # A job's items and results: deleted once its keys are gone (it expired, or its submit
+    # failed), not before.
     for job_id in ("gone", "alive"):
         r.zadd(keys.blobs_due(), {keys.due_job(job_id, 0, 2): 0})
         for k in range(2):
-            with store.writer(items.items_blob(job_id, k)) as w:
-                w.write(b"[]")
+            for blob in (keys.items_blob(job_id, k), keys.results_blob(job_id, k)):
+                with store.writer(blob) as w:
+                    w.write(b"[]")
     r.hset(keys.info("alive"), "total", 1)
     r.expire(keys.info("alive"), 600)
     assert sweep.sweep_once(r, store) == 1
     assert not (tmp_path / "jobs" / "gone" / "items" / "0.json").exists()
+    assert not (tmp_path / "jobs" / "gone" / "results" / "1.jsonl").exists()
     assert (tmp_path / "jobs" / "alive" / "items" / "1.json").exists()
+    assert (tmp_path / "jobs" / "alive" / "results" / "1.jsonl").exists()
     assert r.zscore(keys.blobs_due(), keys.due_job("alive", 0, 2)) > time.time() + 500
     r.close()
     server.stop()
@@ -195,7 +196,6 @@ def test_a_job_whose_items_cannot_be_read_fails_with_the_stores_error(s3_service
         assert info["attempt"] == 3  # FANOUT_JOB_RETRIES (2) more after the first
     finally:
         s3_server.start()
-        s3_server.client().create_bucket(Bucket=bucket)
 
 
 def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, engine, tmp_path):
@@ -205,7 +205,6 @@ def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, e
     import httpx
     import redis as redis_lib
     import signal
-    from collections import Counter
 
     from results import reader
     from worker.engine import SamplingParams
@@ -230,8 +229,11 @@ def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, e
         dead.stop(signal.SIGKILL)
         wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job['id']}").json()["status"] == "succeeded", 120,
                  "the job to succeed")
-        finals = Counter(e["index"] for _, e in reader.follow(r, job["id"], timeout=5) if e["type"] == "final")
-        assert finals == {i: 1 for i in range(12)}
+        # Each sample stored once (a second store would count twice); its finished shards'
+        # stream entries are trimmed, so a follower from the start is told so.
+        assert r.hmget(keys.info(job["id"]), "samples_done", "done") == [b"12", b"12"]
+        seen = [e["type"] for _, e in reader.follow(r, job["id"], timeout=5)]
+        assert seen[0] == "trimmed" and seen[-1] == "status", seen
         got = httpx.get(f"{url}/v1/jobs/{job['id']}/results").json()["items"]
         ref = engine.generate(prompts=prompts, sampling_params=SamplingParams(max_new_tokens=60, temperature=0,
                                                                                ignore_eos=True))
@@ -263,7 +265,7 @@ def test_the_builder_cuts_as_plan_does_and_what_an_abandoned_one_wrote_is_swept(
     lay = b.finish()
     assert lay.bounds == plan(ns, 3) and lay.chunks is None
     for k in range(lay.total):
-        got = json.loads(b"".join(store.get(items.items_blob("whole", k))))
+        got = json.loads(b"".join(store.get(keys.items_blob("whole", k))))
         assert got == [{"x": f"p{i}"} for i in range(lay.bounds[k], lay.bounds[k + 1])]
     # Given up after four items (an invalid line): what it wrote is due at once.
     b = items.Builder(r, store, "halfway", 3)

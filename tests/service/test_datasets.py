@@ -44,6 +44,28 @@ def test_a_dataset_job_runs_as_the_same_items_in_a_body(api_url, worker, redis, 
     assert [len(it["samples"]) for it in got] == [2 if i == 7 else 1 for i in range(100)]
     assert not redis.exists(keys.items(job["id"]))
     assert os.listdir(storage_dir / "jobs" / job["id"] / "items")
+    # Redis keeps what coordinates work, not the rows: each done shard's results went to the
+    # store, its stream entries were trimmed, its counters dropped; nor do the custom ids.
+    shards = int(redis.hget(keys.info(job["id"]), "shards"))
+    assert shards >= 2
+    assert not redis.exists(keys.results(job["id"])) and not redis.exists(keys.custom_ids(job["id"]))
+    assert redis.bitcount(keys.kept(job["id"])) == shards
+    assert sorted(os.listdir(storage_dir / "jobs" / job["id"] / "results")) == sorted(f"{k}.jsonl" for k in range(shards))
+    assert not [f for f in redis.hkeys(keys.shards(job["id"])) if f.startswith((b"claims:", b"strikes:"))]
+    left = [e for _, e in redis.xrange(keys.stream(job["id"]))]
+    assert len(left) < 10 and left[-1][b"status"] == b"succeeded", left
+    # A follower from the start is told that entries are gone, and where the items are.
+    with httpx.stream("GET", f"{api_url}/v1/jobs/{job['id']}/events", timeout=30) as r:
+        seen = [(line[4:], json.loads(data[6:])) for line, data in
+                zip(*[iter([x for x in r.iter_lines() if x.startswith(("id: ", "data: "))])] * 2)]
+    trimmed = redis.hget(keys.info(job["id"]), "trimmed").decode()
+    assert seen[0] == (trimmed, {"type": "trimmed", "through": trimmed, "results": f"/v1/jobs/{job['id']}/results"})
+    assert seen[-1][1]["status"] == "succeeded"
+    # Resumed after that event: nothing said twice.
+    with httpx.stream("GET", f"{api_url}/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": trimmed},
+                      timeout=30) as r:
+        again = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    assert [e["type"] for e in again] == [e["type"] for _, e in seen[1:]]
     # The same items in bodies (64 at most per body): the same samples, the sampled line's too.
     params = [{**shared, **(own if i == 7 else {})} for i in range(100)]
     for lo in (0, 50):
@@ -54,6 +76,19 @@ def test_a_dataset_job_runs_as_the_same_items_in_a_body(api_url, worker, redis, 
                 assert it["samples"][0]["token_ids"] == got[lo + i]["samples"][0]["token_ids"]
             else:  # its own seed: the same samples wherever it sits
                 assert [s["token_ids"] for s in it["samples"]] == [s["token_ids"] for s in got[7]["samples"]]
+
+
+def test_a_waiting_dataset_jobs_results_name_its_items(api_url, worker, redis):
+    """Items of shards not done yet: their custom ids from the store, no samples."""
+    file_id = upload(api_url, [{"prompt": f"later {i}", "custom_id": f"w{i}"} for i in range(70)])
+    r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id, "run_at": "2099-01-01T00:00:00Z"})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    page = httpx.get(f"{api_url}/v1/jobs/{job_id}/results", params={"offset": 60, "limit": 20}).json()
+    assert [(it["index"], it["custom_id"], it["samples"]) for it in page["items"]] == \
+        [(i, f"w{i}", []) for i in range(60, 70)]
+    assert page["next_offset"] is None
+    assert httpx.post(f"{api_url}/v1/jobs/{job_id}/cancel").status_code == 202
 
 
 def test_bad_lines_are_named_and_no_job_is_made(api_url, worker):

@@ -4,7 +4,6 @@ own output; validation failures; cancel and expiry keep the finished lines."""
 import json
 import signal
 import time
-from collections import Counter
 
 import httpx
 import openai
@@ -13,7 +12,7 @@ import redis as redis_lib
 
 from api import tenants
 from conftest import WorkerProc, start_api
-from results import reader
+from results import keys, reader
 from worker.redis_server import EmbeddedRedis
 from worker.engine import SamplingParams
 
@@ -71,8 +70,11 @@ def test_a_batch_runs_end_to_end_and_reads_as_from_openai(oai, engine, redis):
     # Extension: its job streams every line's results with the line's custom_id.
     job_id = b.id.removeprefix("batch_")
     entries = [e for _, e in reader.follow(redis, job_id, timeout=120)]
-    assert {e["custom_id"] for e in entries if e["type"] in ("delta", "final", "error")} == \
-        {line["custom_id"] for line in lines}
+    streamed = {e["custom_id"] for e in entries if e["type"] in ("delta", "final", "error")}
+    if any(e["type"] == "trimmed" for e in entries):  # this follower came late: the shard had ended
+        assert streamed <= {line["custom_id"] for line in lines}
+    else:
+        assert streamed == {line["custom_id"] for line in lines}
     b = wait(oai, b.id, ("completed",))
     assert b.request_counts.model_dump() == {"total": 5, "completed": 4, "failed": 1}
     assert b.created_at <= b.in_progress_at <= b.finalizing_at <= b.completed_at
@@ -205,11 +207,12 @@ def test_a_batch_whose_worker_is_killed_completes_with_each_line_once(model_dir,
                        for x, x_tokens in ((x, 2 if x["custom_id"].startswith("quick") else 150) for x in out))
             job_id = b.id.removeprefix("batch_")
             assert httpx.get(f"{url}/v1/jobs/{job_id}").json()["attempt"] == 2
-            # Resumed: the lines stored before the kill were not run again.
+            # Resumed: the lines stored before the kill were not run again (a sample stored
+            # twice would count twice; the stream of a batch's job keeps only what is running).
             r = redis_lib.Redis.from_url(server.url)
-            finals = Counter(e["custom_id"] for _, e in reader.follow(r, job_id, timeout=5) if e["type"] == "final")
+            n = str(len(lines)).encode()
+            assert r.hmget(keys.info(job_id), "samples_done", "done") == [n, n]
             r.close()
-            assert finals == {line["custom_id"]: 1 for line in lines}
     finally:
         for w in (dead, live):
             if w.proc and w.proc.alive():

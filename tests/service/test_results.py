@@ -1,4 +1,5 @@
 """The result channel against a real Redis: store-then-announce, close once, rebuild."""
+import pytest
 import uuid
 
 from results import events, keys, progress, publisher, reader, store
@@ -26,7 +27,7 @@ def test_batch_stores_before_it_announces_and_counts(redis):
     assert (info["done"], info["failed"], info["samples_done"], info["completion_tokens"]) == (2, 1, 2, 3)
     assert store.stored(redis, job, [1, 1], 0, 2) == {(0, 0), (1, 0)}
     assert store.stored(redis, job, [1, 1], 1, 2) == {(1, 0)}
-    page = store.page(redis, job, [1, 1], 0, 10)
+    page = store.page(redis, None, job, {"ns": [1, 1]}, 0, 10)
     assert page[1]["samples"] == [{"sample": 0, **rec}] and page[0]["samples"][0]["error"] == "prompt too long"
     entries = [events.decode(f) for _, f in redis.xrange(keys.stream(job))]
     assert [e["type"] for e in entries] == ["status", "delta", "final", "error"]
@@ -68,3 +69,15 @@ def test_follow_resumes_and_rebuilder_drops_partials_of_a_new_attempt(redis):
     assert (rb.outputs[(1, 0)].text, rb.outputs[(1, 0)].token_ids) == ("yz", [8, 7])
     assert rb.outputs[(2, 0)].text == "q"  # another shard's partial sample is kept
     assert rb.status == "succeeded"
+
+
+def test_samples_per_item_are_kept_as_runs():
+    from results.progress import Ns
+    ns = Ns.of([1] * 1000 + [3, 3, 1])
+    assert ns.runs == [[1, 1000], [3, 2], [1, 1]] and len(ns) == 1003 and ns.samples == 1007
+    assert (ns[0], ns[999], ns[1000], ns[1001], ns[1002]) == (1, 1, 3, 3, 1)
+    with pytest.raises(IndexError):
+        ns[1003]
+    assert Ns.decode(ns.encode()) == ns and len(ns.encode()) < 30
+    assert list(Ns.decode("[2, 2, 1]")) == [2, 2, 1]  # one number per item, as earlier versions wrote
+    assert len(Ns.decode(None)) == 0
