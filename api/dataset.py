@@ -26,6 +26,7 @@ from worker.settings import Settings
 from . import jobs
 from .batchfile import FIELDS, BatchFileError, item_field
 from .schemas import UNION_TAGS, JobRequest
+from .unique import Seen
 
 MAX_ERRORS = 20
 LINE_FIELDS = set(FIELDS) | {"sampling_params", "custom_id"}
@@ -41,7 +42,7 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
     shared = req.sampling_params.model_dump(mode="json", exclude_defaults=True)
     shared_seed = shared.pop("seed", None)  # the job seed: each line's samples draw from (seed, index, sample)
     seed = req.seed if req.seed is not None else shared_seed
-    errors, kind, seen = [], None, set()
+    errors, kind, seen = [], None, Seen()
     tokens = 0
 
     def error(n: int, msg: str, loc=(), kind_="value_error") -> None:
@@ -91,11 +92,9 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
         except ValueError as e:
             error(n, str(e), ("sampling_params",))
             continue
-        if custom_id is not None:
-            if custom_id in seen:
-                error(n, f"custom_id {custom_id!r} is used by an earlier line", ("custom_id",))
-                continue
-            seen.add(custom_id)
+        if custom_id is not None and not seen.add(custom_id):
+            error(n, f"custom_id {custom_id!r} is used by an earlier line", ("custom_id",))
+            continue
         kind = FIELDS[field]
         if errors:
             continue  # checked on, nothing more written
@@ -104,6 +103,7 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
         builder.add(json.dumps({"x": item, "p": p.model_dump(mode="json", exclude_defaults=True)},
                                separators=(",", ":")), p.n, custom_id)
         tokens += p.n * p.max_new_tokens
+    seen.close()
     if not errors and not len(builder.ns):
         errors.append({"loc": ["body", "input_file_id"], "msg": "the file has no items", "type": "too_short"})
     if errors:

@@ -19,6 +19,7 @@ from worker.settings import Settings
 from worker.spec import CustomId
 
 from .. import jobs
+from ..unique import Seen
 from .errors import OpenAIError, param
 from .schemas import ChatCompletionRequest, CompletionRequest, Strict, image_error, sampling_params
 
@@ -63,14 +64,20 @@ class Invalid(Exception):
 
 
 def check(lines: Iterable[bytes], settings: Settings) -> int:
-    """read() holding nothing but the custom ids (an upload of any size); returns the count."""
+    """read() holding nothing but the custom ids (api/unique.py; an upload of any size);
+    returns the count."""
     return sum(1 for _ in read(lines, settings))
 
 
 def read(lines: Iterable[bytes], settings: Settings) -> Iterator[Request]:
     """Every line (without its newline), validated, as it comes; raises Invalid with the
     first MAX_ERRORS errors at the end (after yielding the lines before the first)."""
-    errors, seen, count = [], set(), 0
+    with Seen() as seen:
+        yield from _read(lines, settings, seen)
+
+
+def _read(lines: Iterable[bytes], settings: Settings, seen: Seen) -> Iterator[Request]:
+    errors, count = [], 0
     for n, raw in enumerate(lines, 1):
         if len(errors) >= MAX_ERRORS:
             break
@@ -95,11 +102,10 @@ def read(lines: Iterable[bytes], settings: Settings) -> Iterator[Request]:
         except RecursionError:
             errors.append(LineError(n, TOO_DEEP, "body", code="invalid_json"))
             continue
-        if line.custom_id in seen:
+        if not seen.add(line.custom_id):
             errors.append(LineError(n, f"custom_id {line.custom_id!r} is used by an earlier line", "custom_id",
                                     "duplicate_custom_id"))
             continue
-        seen.add(line.custom_id)
         try:
             request = Request(n, line.custom_id, line.url, body, _params(body, settings))
         except OpenAIError as e:

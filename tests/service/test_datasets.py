@@ -124,3 +124,15 @@ def test_input_file_id_refusals_name_the_field(api_url, worker, case):
     assert e["loc"][:2] == ["body", "input_file_id"] or "input_file_id" in e["msg"], e
     assert {"unknown": "no such file", "batch purpose": "not a 'dataset' one",
             "items too": "give no prompts"}[case] in e["msg"]
+
+
+def test_custom_ids_seen_past_memory_go_to_disk(monkeypatch):
+    from api import unique
+    monkeypatch.setattr(unique, "MEMORY", 3)
+    with unique.Seen() as seen:
+        assert all(seen.add(f"id{i}") for i in range(10))
+        assert seen.db is not None and len(seen.ids) == 3
+        assert not seen.add("id1") and not seen.add("id7")  # one in memory, one on disk
+        assert seen.add("id10")
+        where = seen.dir.name
+    assert seen.db is None and not os.path.exists(where)
