@@ -1,0 +1,217 @@
+"""A native dataset job at two sizes, side by side in one run: does the service stay flat as
+the dataset grows? For each size: a Redis, two workers and an API process of their own, the
+same tiny random-weight model (built offline), a JSONL file of that many rows (a short
+prompt and a custom id each, 2 new tokens, greedy), uploaded (POST /v1/files, purpose
+dataset) and run (POST /v1/jobs with input_file_id). Mid-run one worker is killed with
+SIGKILL and started again (at a third of the rows), then the API process (at two thirds).
+Then every row is checked through GET /results, a page at a time: answered exactly once,
+in order, with its custom id.
+
+    python bench/datasets.py                          # 20,000 and 1,000,000 rows
+    python bench/datasets.py --rows 20000,200000 --no-kill
+
+Reported per size: Redis's used_memory peak (sampled every 0.2 s, less the empty
+service's), the API's and the workers' peak RSS (VmHWM, the most of any of their
+processes), rows/s over the run (from the job's creation to its end) and steady rows/s
+(the median over 10 s windows, which leaves the kills out), the seconds of each step.
+Results: stdout and bench/out/datasets.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import httpx  # noqa: E402
+import redis as redis_lib  # noqa: E402
+
+from bench.out_file import save  # noqa: E402
+from worker.engine.models.tiny import build_tiny_model  # noqa: E402
+from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+
+ME = [sys.executable, "-m", "worker.cli"]
+TOKENS = 2
+
+
+def dataset(path: str, rows: int) -> None:
+    with open(path, "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"prompt": f"row {i}: say something about the number {i}", "custom_id": f"r{i}"}) + "\n")
+
+
+def hwm_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
+class Service:
+    """Redis, the API and two workers, each restartable; `peaks` sampled in a thread."""
+
+    def __init__(self, model: str, work: str):
+        self.redis_server = EmbeddedRedis()
+        self.env = {**os.environ, "REDIS_URL": self.redis_server.url, "PYTHONPATH": ROOT,
+                    "FANOUT_STORAGE_URL": f"file://{work}/blobs", "FANOUT_HEARTBEAT_TTL": "5"}
+        self.model, self.port = model, free_port()
+        self.logs = open(os.path.join(work, "service.log"), "ab")
+        self.r = redis_lib.Redis.from_url(self.redis_server.url)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = self._start(["api", "--port", str(self.port)])
+        self.workers = [self._worker() for _ in range(2)]
+        self.peak = {"redis": 0.0, "api": 0.0, "worker": 0.0}
+        self.base = 0.0
+        self.done_at: list[tuple[float, int]] = []  # (time, rows done)
+        self.job_id: str | None = None
+        self.stopping = False
+
+    def _start(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(ME + args, cwd=ROOT, env=self.env, stdout=self.logs, stderr=subprocess.STDOUT)
+
+    def _worker(self) -> subprocess.Popen:
+        return self._start(["worker", "--model", self.model, "--device", "cpu", "--drain-timeout", "0"])
+
+    def ready(self, http: httpx.Client, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if http.get("/v1/models").json().get("data") and self.r.scard("rq:workers") >= 2:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the service did not start: see service.log"
+            time.sleep(0.2)
+
+    def sample(self) -> None:
+        while not self.stopping:
+            try:
+                self.peak["redis"] = max(self.peak["redis"], self.r.info("memory")["used_memory"] / 2**20 - self.base)
+                if self.job_id:
+                    self.done_at.append((time.monotonic(), int(self.r.hget(f"fanout:job:{self.job_id}", "done") or 0)))
+            except redis_lib.RedisError:
+                pass
+            self.peak["api"] = max(self.peak["api"], hwm_mb(self.api.pid))
+            self.peak["worker"] = max([self.peak["worker"]] + [hwm_mb(w.pid) for w in self.workers])
+            time.sleep(0.2)
+
+    def kill_worker(self) -> None:
+        self.workers[0].send_signal(signal.SIGKILL)
+        self.workers[0].wait()
+        self.workers[0] = self._worker()
+
+    def kill_api(self) -> None:
+        self.api.send_signal(signal.SIGKILL)
+        self.api.wait()
+        self.api = self._start(["api", "--port", str(self.port)])
+
+    def close(self) -> None:
+        self.stopping = True
+        for p in [self.api, *self.workers]:
+            p.terminate()
+            p.wait(60)
+        self.r.close()
+        self.redis_server.stop()
+        self.logs.close()
+
+
+def steady(done_at: list[tuple[float, int]], window: float = 10.0) -> float:
+    """The median rows/s over consecutive windows of `window` seconds."""
+    rates, start = [], 0
+    for i, (t, n) in enumerate(done_at):
+        if t - done_at[start][0] >= window:
+            rates.append((n - done_at[start][1]) / (t - done_at[start][0]))
+            start = i
+    return statistics.median(rates) if rates else 0.0
+
+
+def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
+    svc = Service(model, work)
+    http = httpx.Client(base_url=svc.url, timeout=3600)
+    try:
+        svc.ready(http)
+        svc.base = svc.r.info("memory")["used_memory"] / 2**20
+        threading.Thread(target=svc.sample, daemon=True).start()
+        out: dict = {"rows": rows, "file_mb": round(os.path.getsize(path) / 2**20, 1)}
+        t = time.perf_counter()
+        with open(path, "rb") as f:
+            file_id = http.post("/v1/files", files={"file": ("rows.jsonl", f)}, data={"purpose": "dataset"}).json()["id"]
+        out["upload_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        r = http.post("/v1/jobs", json={"input_file_id": file_id,
+                                        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0}})
+        assert r.status_code == 202, r.text
+        job_id = svc.job_id = r.json()["id"]
+        out["create_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        marks = [rows // 3, 2 * rows // 3] if kill else []
+        while True:
+            try:
+                info = http.get(f"/v1/jobs/{job_id}").json()
+            except httpx.TransportError:  # the API was just killed: its successor is starting
+                time.sleep(0.5)
+                continue
+            if info["status"] in ("succeeded", "failed", "canceled"):
+                break
+            if marks and info["progress"]["done"] >= marks[0]:
+                (svc.kill_worker if len(marks) == 2 else svc.kill_api)()
+                marks.pop(0)
+            time.sleep(0.5)
+        out["run_s"] = time.perf_counter() - t
+        assert info["status"] == "succeeded", info
+        out["rows_per_s"] = rows / out["run_s"]
+        out["steady_rows_per_s"] = steady(svc.done_at)
+        time.sleep(0.5)  # a last sample of the peaks
+        out.update({f"{k}_peak_mb": round(v, 1) for k, v in svc.peak.items()})
+        t = time.perf_counter()
+        offset, seen = 0, 0
+        while offset is not None:
+            page = http.get(f"/v1/jobs/{job_id}/results", params={"offset": offset, "limit": 1000}).json()
+            for it in page["items"]:
+                assert it["index"] == seen and it["custom_id"] == f"r{seen}", it
+                assert len(it["samples"]) == 1 and it["samples"][0]["finish_reason"] in ("length", "stop"), it
+                seen += 1
+            offset = page["next_offset"]
+        out["read_s"] = time.perf_counter() - t
+        assert seen == rows, seen
+        stored = svc.r.hmget(f"fanout:job:{job_id}", "samples_done", "done")
+        assert stored == [str(rows).encode()] * 2, stored  # each row's sample stored exactly once
+        out["redis_after_mb"] = round(svc.r.info("memory")["used_memory"] / 2**20 - svc.base, 1)
+        out["kills"] = "worker at 1/3, API at 2/3" if kill else "none"
+        return out
+    finally:
+        http.close()
+        svc.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="20000,1000000", help="sizes, comma-separated, run in turn")
+    ap.add_argument("--no-kill", action="store_true", help="no worker or API killed mid-run")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="fanout-bench-datasets-")
+    model = build_tiny_model(os.path.join(work, "llama"), arch="llama")
+    figures = {}
+    for rows in (int(x) for x in args.rows.split(",")):
+        path = os.path.join(work, f"rows-{rows}.jsonl")
+        dataset(path, rows)
+        sub = os.path.join(work, str(rows))
+        os.makedirs(sub)
+        figures[rows] = run(model, path, rows, sub, not args.no_kill)
+        os.unlink(path)
+        print(json.dumps(figures[rows], indent=1), flush=True)
+    print("->", save("datasets", figures))
+
+
+if __name__ == "__main__":
+    main()
