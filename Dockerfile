@@ -30,7 +30,8 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY results ./results
 COPY worker ./worker
-RUN pip install .
+# The parquet extra: Parquet datasets in, GET /v1/jobs/{id}/output?format=parquet out.
+RUN pip install ".[parquet]"
 
 USER fanout
 EXPOSE 8000

@@ -58,28 +58,41 @@ def _no_nulls(v):
     return v
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
+def parquet_rows(source, name: str) -> Iterator[tuple[int, dict | BatchFileError]]:
+    """(row number, the row as a JSONL line's object, or the BatchFileError of that row) of
+    the Parquet file `source` (a path or a seekable binary file) named `name`, a batch of
+    ROWS rows in memory at a time."""
     pa = _pyarrow()
     try:
-        f = pa.parquet.ParquetFile(path)
+        f = pa.parquet.ParquetFile(source)
     except pa.ArrowException as e:
-        raise BatchFileError(f"{path}: not a Parquet file: {e}") from None
+        raise BatchFileError(f"{name}: not a Parquet file: {e}") from None
     n = 0
     for batch in f.iter_batches(batch_size=ROWS):
         for row in batch.to_pylist():
             n += 1
-            where = f"{path}: row {n}"
             obj = {}
-            for k, v in row.items():
-                if v is None:
-                    continue
-                if k in ("messages", "sampling_params") and isinstance(v, str):  # JSON text
-                    try:
-                        v = json.loads(v)
-                    except json.JSONDecodeError as e:
-                        raise BatchFileError(f"{where}: {k}: not JSON: {e}") from None
-                obj[k] = _no_nulls(v)
-            yield where, obj
+            try:
+                for k, v in row.items():
+                    if v is None:
+                        continue
+                    if k in ("messages", "sampling_params") and isinstance(v, str):  # JSON text
+                        try:
+                            v = json.loads(v)
+                        except json.JSONDecodeError as e:
+                            raise BatchFileError(f"{k}: not JSON: {e}") from None
+                    obj[k] = _no_nulls(v)
+            except BatchFileError as e:
+                yield n, e
+                continue
+            yield n, obj
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
+    for n, obj in parquet_rows(path, path):
+        if isinstance(obj, BatchFileError):
+            raise BatchFileError(f"{path}: row {n}: {obj}")
+        yield f"{path}: row {n}", obj
 
 
 def item_field(obj: Any, kind: str | None) -> tuple[dict, str]:

@@ -1,44 +1,111 @@
-"""Native datasets: a job's items in a file instead of its body. The file is JSONL in the
+"""Native datasets: a job's items in a file instead of its body, named by `POST /v1/jobs`
+with `input_file_id` (a file uploaded with `POST /v1/files`, `purpose: dataset`, an
+extension) or `input_url` (read by the API itself: `s3://` in the configured blob store,
+or `file://` under the folder the operator allows, FANOUT_INPUT_ROOT). JSONL in the
 `fanout submit` format (one {"prompt" | "input_ids" | "messages", "sampling_params"?,
-"custom_id"?} per line, every line the same kind; a bare JSON string is a prompt),
-uploaded with `POST /v1/files` and `purpose: dataset` (extension), and named by `POST
-/v1/jobs` with `input_file_id` instead of items.
+"custom_id"?} per line, every line the same kind; a bare JSON string is a prompt), or
+Parquet with those columns (api/batchfile.py; pyarrow), told apart by its first bytes.
 
-The job is read from the blob store as a stream: each line checked as the one item of a
-native body would be (its own `sampling_params` over the job's, the configured limits),
-and laid out by shard into the store as the lines come (items.Builder). So the body limit
-and FANOUT_MAX_BATCH do not apply, and the API process holds a few shards' items and, per
-line, its custom id and n. Errors name the line: 422, `loc` ["body", "input_file_id",
-LINE, ...the field in the line's item].
+The job is read as a stream: each line or row checked as the one item of a native body
+would be (its own `sampling_params` over the job's, the configured limits), and laid out
+by shard into the store as they come (items.Builder). So the body limit and
+FANOUT_MAX_BATCH do not apply, and the API process holds a few shards' items (a Parquet
+file is spooled to a temporary file first: its footer, which says where the rows are, is
+at its end). Errors name the line or row: 422, `loc` ["body", "input_file_id" or
+"input_url", LINE, ...the field in the line's item].
 """
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import random
-from typing import Iterable
+import tempfile
+from typing import Iterable, Iterator
+from urllib.parse import unquote, urlparse
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from results import blobs
 from worker import items
 from worker.settings import Settings
 
 from . import jobs
-from .batchfile import FIELDS, BatchFileError, item_field
+from .batchfile import FIELDS, BatchFileError, item_field, parquet_rows
 from .schemas import UNION_TAGS, JobRequest
 from .unique import Seen
 
 MAX_ERRORS = 20
+PARQUET = b"PAR1"  # the first (and last) bytes of a Parquet file
 LINE_FIELDS = set(FIELDS) | {"sampling_params", "custom_id"}
 
 
-def _loc(n: int, loc) -> list:
-    return ["body", "input_file_id", n, *(p for p in loc if p not in UNION_TAGS)]
+def open_url(url: str, settings: Settings, store: blobs.Store) -> Iterator[bytes]:
+    """The chunks of the dataset at `input_url`: a file:// under FANOUT_INPUT_ROOT, or an
+    s3:// object in the configured blob store (its bucket, under its prefix). 422 naming
+    input_url when it is neither or is not there; StoreError (503) when the store fails."""
+    def bad(msg: str) -> RequestValidationError:
+        return RequestValidationError([{"loc": ("body", "input_url"), "type": "value_error", "msg": msg}])
+
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if not settings.input_root:
+            raise bad("file:// datasets are off: the operator allows a folder with FANOUT_INPUT_ROOT")
+        root = os.path.realpath(settings.input_root)
+        path = os.path.realpath(unquote(parsed.path))
+        if parsed.netloc not in ("", "localhost") or os.path.commonpath([root, path]) != root:
+            raise bad(f"not under FANOUT_INPUT_ROOT ({root})")
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise bad(f"cannot read it: {e.strerror}") from None
+        return _chunks(f)
+    if parsed.scheme == "s3":
+        inside = urlparse(store.url)
+        prefix = inside.path.strip("/")
+        key = parsed.path.lstrip("/")
+        if inside.scheme != "s3" or parsed.netloc != inside.netloc or (prefix and not key.startswith(prefix + "/")):
+            raise bad(f"not in the configured blob store ({store.url}, FANOUT_STORAGE_URL)")
+        try:
+            return store.get(key[len(prefix) + 1:] if prefix else key)
+        except blobs.Missing:
+            raise bad("no such object in the blob store") from None
+        except ValueError as e:  # a key that climbs out of the prefix
+            raise bad(str(e)) from None
+    raise bad("give s3://bucket/key (in the configured blob store) or file:///path (under FANOUT_INPUT_ROOT)")
 
 
-def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: items.Builder) -> jobs.Planned:
-    """The job of `req` (which names its input file) from the file's lines, laid out by
-    `builder`; RequestValidationError naming the lines at fault (MAX_ERRORS at most)."""
+def _chunks(f) -> Iterator[bytes]:
+    with f:
+        while chunk := f.read(blobs.CHUNK):
+            yield chunk
+
+
+def rows(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes | dict | BatchFileError]]:
+    """A dataset's rows as plan() takes them, (number, the JSONL line, or the Parquet row as
+    an object, or its error): Parquet when it starts as one ("PAR1"; spooled to a temporary
+    file, which Parquet's footer needs, then read ROWS rows at a time), else JSONL."""
+    chunks = iter(chunks)
+    first = next(chunks, b"")
+    if not first.startswith(PARQUET):
+        yield from enumerate(blobs.lines(itertools.chain([first], chunks)), 1)
+        return
+    with tempfile.TemporaryFile(prefix="fanout-dataset-") as f:
+        for chunk in itertools.chain([first], chunks):
+            f.write(chunk)
+        f.seek(0)
+        yield from parquet_rows(f, "the dataset")
+
+
+def _loc(field: str, n: int, loc) -> list:
+    return ["body", field, n, *(p for p in loc if p not in UNION_TAGS)]
+
+
+def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobRequest, settings: Settings,
+         builder: items.Builder) -> jobs.Planned:
+    """The job of `req` (which names its dataset) from the dataset's rows (rows()), laid out
+    by `builder`; RequestValidationError naming the lines or rows at fault (MAX_ERRORS at most)."""
     shared = req.sampling_params.model_dump(mode="json", exclude_defaults=True)
     shared_seed = shared.pop("seed", None)  # the job seed: each line's samples draw from (seed, index, sample)
     seed = req.seed if req.seed is not None else shared_seed
@@ -46,18 +113,24 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
     tokens = 0
 
     def error(n: int, msg: str, loc=(), kind_="value_error") -> None:
-        errors.append({"loc": _loc(n, loc), "msg": msg, "type": kind_})
+        errors.append({"loc": _loc(req.input, n, loc), "msg": msg, "type": kind_})
 
-    for n, raw in enumerate(lines, 1):
+    for n, raw in records:
         if len(errors) >= MAX_ERRORS:
             break
-        if not raw.strip():
+        if isinstance(raw, BatchFileError):
+            error(n, str(raw))
             continue
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            error(n, f"not JSON: {e}", kind_="json_invalid")
+        if isinstance(raw, dict):  # a Parquet row
+            obj = raw
+        elif not raw.strip():
             continue
+        else:
+            try:
+                obj = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                error(n, f"not JSON: {e}", kind_="json_invalid")
+                continue
         try:
             obj, field = item_field(obj, kind)
         except BatchFileError as e:
@@ -105,7 +178,7 @@ def plan(lines: Iterable[bytes], req: JobRequest, settings: Settings, builder: i
         tokens += p.n * p.max_new_tokens
     seen.close()
     if not errors and not len(builder.ns):
-        errors.append({"loc": ["body", "input_file_id"], "msg": "the file has no items", "type": "too_short"})
+        errors.append({"loc": ["body", req.input], "msg": "the dataset has no items", "type": "too_short"})
     if errors:
         raise RequestValidationError(errors)
     # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.

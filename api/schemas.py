@@ -43,16 +43,28 @@ class JobRequest(JobInput):
         "instead of items: a file uploaded with purpose `dataset`, one item per line (api/dataset.py); "
         "`sampling_params` is then one object, the lines' defaults"))
 
+    input_url: str | None = Field(None, min_length=1, max_length=2048, description=(
+        "instead of items: a dataset the API reads itself, `s3://` in the configured blob store or "
+        "`file://` under FANOUT_INPUT_ROOT, JSONL or Parquet, as `input_file_id`'s"))
+
+    @property
+    def input(self) -> str | None:
+        """The field naming the dataset, if one does: input_file_id or input_url."""
+        return "input_file_id" if self.input_file_id is not None else "input_url" if self.input_url is not None \
+            else None
+
     @model_validator(mode="after")
     def _one_input(self):
-        """Items, or a file of them (JobInput's check for the items)."""
-        if self.input_file_id is None:
+        """Items, or a dataset of them (JobInput's check for the items)."""
+        if self.input is None:
             return JobInput._one_input(self)
+        if self.input_file_id is not None and self.input_url is not None:
+            raise ValueError("give input_file_id or input_url, not both")
         given = [k for k in (*KINDS, "custom_ids") if getattr(self, k) is not None]
         if given:
-            raise ValueError(f"input_file_id: the items are the file's; give no {given[0]}")
+            raise ValueError(f"{self.input}: the items are the dataset's; give no {given[0]}")
         if isinstance(self.sampling_params, list):
-            raise ValueError("sampling_params: one object with input_file_id (a line's own override it)")
+            raise ValueError(f"sampling_params: one object with {self.input} (a line's own override it)")
         return self
 
     @field_validator("run_at")

@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import tempfile
+from typing import Iterator, Literal
 
 import anyio
 import redis
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
-from results import blobs, events, keys, progress, store
+from results import events, keys, progress, store
 from worker import items
 
 from . import dataset, jobs, streams
+from .batchfile import BatchFileError, write_results
 from .openai import files
 from .openai.errors import OpenAIError
 
@@ -68,13 +73,13 @@ def submit(req: JobRequest, request: Request, response: Response,
     f = _dataset_file(st, req, tenant) if req.input_file_id is not None else None
     idempotency = None
     if idempotency_key is not None:
-        # A dataset job's is its file's content, not its id: the same lines uploaded again (a
-        # resumed `fanout submit`) with the same fields are the same job.
+        # A dataset file's job is its content's, not its id's: the same lines uploaded again
+        # (a resumed `fanout submit`) with the same fields are the same job. A URL's is the URL.
         same = req.model_copy(update={"input_file_id": f"sha256:{f.get('sha256')}"}) if f else req
         idempotency = (idempotency_key, hashlib.sha256(same.model_dump_json().encode()).hexdigest())
     try:
-        if f is not None:
-            body = _submit_file(st, req, f, idempotency, tenant)
+        if req.input is not None:
+            body = _submit_dataset(st, req, f, idempotency, tenant)
         else:
             spec = req.spec()
             jobs.check_limits(req, spec, st.settings)
@@ -100,14 +105,21 @@ def _dataset_file(st, req: JobRequest, tenant) -> dict:
     return f
 
 
-def _submit_file(st, req: JobRequest, f: dict, idempotency, tenant) -> dict:
-    """A job whose items are a dataset file's lines (api/dataset.py)."""
-    jobs.check_claim(st.redis, idempotency, tenant)  # before reading the file
+def _submit_dataset(st, req: JobRequest, f: dict | None, idempotency, tenant) -> dict:
+    """A job whose items are a dataset's lines or rows (api/dataset.py): the uploaded file
+    `f`, or req.input_url."""
+    jobs.check_claim(st.redis, idempotency, tenant)  # before reading the dataset
+    if f is not None:
+        chunks = files.content(st.redis, st.blobs, f["id"], tenant)
+    else:
+        chunks = dataset.open_url(req.input_url, st.settings, st.blobs)
     job_id = jobs.new_id()
     builder = items.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)
     try:
-        planned = dataset.plan(blobs.lines(files.content(st.redis, st.blobs, f["id"], tenant)), req, st.settings,
-                               builder)
+        planned = dataset.plan(dataset.rows(chunks), req, st.settings, builder)
+    except BatchFileError as e:  # not Parquet after all, or no pyarrow here to read it
+        builder.abandon()
+        raise RequestValidationError([{"loc": ("body", req.input), "type": "value_error", "msg": str(e)}]) from None
     except BaseException:
         builder.abandon()
         raise
@@ -137,12 +149,9 @@ def get_job(job_id: str, request: Request):
         raise _not_found(job_id) from None
 
 
-@router.get("/jobs/{job_id}/results", response_model=ResultsPage, responses=NOT_FOUND)
-def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
-                limit: int = Query(100, ge=1, le=1000)):
-    """Finished samples, by item index; `next_offset` is null on the last page."""
-    st = _state(request)
-    redis = st.redis
+def _info(request: Request, job_id: str) -> tuple[str, dict]:
+    """(status, progress.read's info) of a job the caller owns; 404 if none."""
+    redis = _state(request).redis
     try:
         jobs.owned(redis, job_id, request.state.tenant)
         status, _ = jobs.status_of(redis, job_id)
@@ -151,10 +160,58 @@ def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
         info = None
     if info is None:
         raise _not_found(job_id)
-    items = store.page(redis, st.blobs, job_id, info, offset, limit)
+    return status, info
+
+
+@router.get("/jobs/{job_id}/results", response_model=ResultsPage, responses=NOT_FOUND)
+def get_results(job_id: str, request: Request, offset: int = Query(0, ge=0),
+                limit: int = Query(100, ge=1, le=1000)):
+    """Finished samples, by item index; `next_offset` is null on the last page."""
+    st = _state(request)
+    status, info = _info(request, job_id)
+    items = store.page(st.redis, st.blobs, job_id, info, offset, limit)
     end = offset + limit
     return {"id": job_id, "status": status, "offset": offset, "limit": limit, "total": info["total"],
             "next_offset": end if end < info["total"] else None, "items": items}
+
+
+OUTPUT_PAGE = 1000  # items read at a time for GET /output
+
+
+@router.get("/jobs/{job_id}/output", responses={
+    200: {"description": "every item in index order, as /results gives them: JSONL (one item per line) or "
+                         "Parquet (one row per item: index, custom_id, samples)",
+          "content": {"application/jsonl": {}, "application/vnd.apache.parquet": {}}},
+    **NOT_FOUND})
+def get_output(job_id: str, request: Request, format: Literal["jsonl", "parquet"] = Query(
+        "jsonl", description="`parquet` needs pyarrow on the API (fanout[parquet])")):
+    """The whole job's results as one file, read a page at a time from Redis and the blob
+    store: complete once the job has ended; while it runs, its unfinished items have no samples."""
+    st = _state(request)
+    _, info = _info(request, job_id)
+
+    def items() -> Iterator[dict]:
+        for offset in range(0, len(info["ns"]), OUTPUT_PAGE):
+            yield from store.page(st.redis, st.blobs, job_id, info, offset, OUTPUT_PAGE)
+
+    name = f"fanout-{job_id}.{format}"
+    headers = {"Content-Disposition": f'attachment; filename="{name}"'}
+    if format == "jsonl":
+        lines = (json.dumps(item, ensure_ascii=False).encode() + b"\n" for item in items())
+        return StreamingResponse(lines, media_type="application/jsonl", headers=headers)
+    # Parquet's footer comes last: written to a temporary file, a batch of rows at a time, then sent.
+    spool = tempfile.NamedTemporaryFile(prefix="fanout-output-", suffix=".parquet", delete=False)
+    spool.close()
+    try:
+        write_results(items(), spool.name)
+    except BatchFileError as e:
+        os.unlink(spool.name)
+        raise RequestValidationError([{"loc": ("query", "format"), "type": "value_error", "msg": str(e)}]) from None
+    except BaseException:
+        os.unlink(spool.name)
+        raise
+    return FileResponse(spool.name, media_type="application/vnd.apache.parquet", filename=name,
+                        background=BackgroundTask(os.unlink, spool.name))
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=Canceled, responses={

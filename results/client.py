@@ -64,10 +64,10 @@ class Client:
         """POST /v1/jobs with `body` (or keyword fields: prompts=..., sampling_params=...).
         Returns {id, status, stream, seed, items, replayed}."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        # A job naming a dataset file answers once every line is checked: give it time.
+        # A job naming a dataset answers once every line is checked: give it time.
         body = {**(body or {}), **fields}
         r = self.http.post("/v1/jobs", json=body, headers=headers,
-                           timeout=LONG if "input_file_id" in body else httpx.USE_CLIENT_DEFAULT)
+                           timeout=LONG if {"input_file_id", "input_url"} & set(body) else httpx.USE_CLIENT_DEFAULT)
         # `replayed`: the key was used before with this body; this is that job.
         return {**_check(r), "replayed": r.headers.get("Idempotent-Replayed") == "true"}
 

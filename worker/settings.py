@@ -58,6 +58,8 @@ class Settings:
     # A job whose items (as JSON) take more than this many bytes keeps them in the blob
     # store, one object per shard, instead of Redis; its workers read them from there.
     items_store_bytes: int = 1 << 20
+    # A dataset job's `input_url` may name a file:// under this folder (unset: none may).
+    input_root: str | None = None
     storage_url: str = field(default_factory=lambda: "file://" + os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "fanout", "blobs"))
 
@@ -82,5 +84,6 @@ class Settings:
             batch_max_file_bytes=_int("FANOUT_BATCH_MAX_FILE_BYTES", d.batch_max_file_bytes),
             batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),
             items_store_bytes=_int("FANOUT_ITEMS_STORE_BYTES", d.items_store_bytes, least=0),
+            input_root=os.environ.get("FANOUT_INPUT_ROOT") or d.input_root,
             storage_url=os.environ.get("FANOUT_STORAGE_URL") or d.storage_url,
         )

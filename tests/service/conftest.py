@@ -109,10 +109,16 @@ def start_api(redis_url, log_dir, name, args=(), env=None):
 
 
 @pytest.fixture(scope="session")
-def api_pair(redis_url, tmp_path_factory):
+def input_root(tmp_path_factory):
+    """The folder whose files a dataset job may name by file:// URL (FANOUT_INPUT_ROOT)."""
+    return tmp_path_factory.mktemp("datasets")
+
+
+@pytest.fixture(scope="session")
+def api_pair(redis_url, tmp_path_factory, input_root):
     """Two API processes on different ports: the API keeps no state of its own."""
     logs = tmp_path_factory.mktemp("logs")
-    procs = [start_api(redis_url, logs, f"api{i}") for i in range(2)]
+    procs = [start_api(redis_url, logs, f"api{i}", env={"FANOUT_INPUT_ROOT": str(input_root)}) for i in range(2)]
     yield [url for _, url in procs]
     for p, _ in procs:
         p.stop()

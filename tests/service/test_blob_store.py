@@ -128,6 +128,26 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
     assert json.loads(oai.files.content(b.output_file_id).text.splitlines()[0])["custom_id"] == "q0"
 
 
+def test_a_dataset_named_by_its_s3_url_in_the_store(s3_service, s3_server):
+    import httpx
+    url, bucket = s3_service["url"], s3_service["bucket"]
+    rows = "".join(json.dumps({"prompt": f"s3 row {i}", "custom_id": f"s{i}"}) + "\n" for i in range(30))
+    s3_server.client().put_object(Bucket=bucket, Key="tenant-a/data/rows.jsonl", Body=rows.encode())
+    r = httpx.post(url + "/v1/jobs", json={"input_url": f"s3://{bucket}/tenant-a/data/rows.jsonl",
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    wait_for(lambda: httpx.get(f"{url}/v1/jobs/{job_id}").json()["status"] == "succeeded", 120, "the job")
+    got = [json.loads(x) for x in httpx.get(f"{url}/v1/jobs/{job_id}/output").text.splitlines()]
+    assert [(it["custom_id"], len(it["samples"])) for it in got] == [(f"s{i}", 1) for i in range(30)]
+    # Only the configured store: another bucket, or outside its prefix, is refused.
+    for other in ("s3://other-bucket/tenant-a/data/rows.jsonl", f"s3://{bucket}/tenant-b/rows.jsonl"):
+        r = httpx.post(url + "/v1/jobs", json={"input_url": other})
+        assert r.status_code == 422 and "not in the configured blob store" in r.text, r.text
+    r = httpx.post(url + "/v1/jobs", json={"input_url": f"s3://{bucket}/tenant-a/data/none.jsonl"})
+    assert r.status_code == 422 and "no such object" in r.text, r.text
+
+
 def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_path):
     import redis as redis_lib
 

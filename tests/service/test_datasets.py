@@ -91,6 +91,59 @@ def test_a_waiting_dataset_jobs_results_name_its_items(api_url, worker, redis):
     assert httpx.post(f"{api_url}/v1/jobs/{job_id}/cancel").status_code == 202
 
 
+def test_a_parquet_dataset_by_url_comes_out_as_parquet_in_order(api_url, worker, input_root, engine):
+    """Parquet in (input_url, file:// under FANOUT_INPUT_ROOT), Parquet out (GET /output):
+    rows in order, each with its custom id, a row the model cannot take failing alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from worker.engine import SamplingParams
+    ids = [engine.tokenizer.encode(f"parquet row {i}") for i in range(40)]
+    ids[13] = [10 ** 9]  # outside the vocabulary: this item alone fails
+    pq.write_table(pa.table({"input_ids": ids, "custom_id": [f"p{i}" for i in range(40)]}),
+                   input_root / "rows.parquet", row_group_size=16)
+    r = httpx.post(api_url + "/v1/jobs", json={"input_url": f"file://{input_root}/rows.parquet",
+                                              "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    finished(api_url, job_id)
+    got = httpx.get(f"{api_url}/v1/jobs/{job_id}/output", params={"format": "parquet"})
+    assert got.status_code == 200 and got.headers["content-type"] == "application/vnd.apache.parquet"
+    out = pq.read_table(pa.BufferReader(got.content)).to_pylist()
+    assert [(row["index"], row["custom_id"]) for row in out] == [(i, f"p{i}") for i in range(40)]
+    assert out[13]["samples"][0]["finish_reason"] == "error"
+    ref = engine.generate(input_ids=[x for i, x in enumerate(ids) if i != 13],
+                          sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+    assert [row["samples"][0]["token_ids"] for i, row in enumerate(out) if i != 13] == \
+        [x.samples[0].token_ids for x in ref]
+    # The same as JSONL, one item per line as /results pages them.
+    lines = httpx.get(f"{api_url}/v1/jobs/{job_id}/output").text.splitlines()
+    assert [json.loads(x)["custom_id"] for x in lines] == [f"p{i}" for i in range(40)]
+    # A bad row of a Parquet file is named as a line is.
+    pq.write_table(pa.table({"prompt": ["fine", "", "fine too"]}), input_root / "bad.parquet")
+    r = httpx.post(api_url + "/v1/jobs", json={"input_url": f"file://{input_root}/bad.parquet"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "input_url", 2, "prompt"], r.text
+
+
+@pytest.mark.parametrize("case", ["outside the root", "climbing out", "missing", "s3 with a local store", "ftp",
+                                  "both"])
+def test_input_url_refusals_name_the_field(api_url, worker, input_root, tmp_path, case):
+    (tmp_path / "x.jsonl").write_text('{"prompt": "hi"}\n')
+    url = {"outside the root": f"file://{tmp_path}/x.jsonl", "climbing out": f"file://{input_root}/../x.jsonl",
+           "missing": f"file://{input_root}/nope.jsonl", "s3 with a local store": "s3://bucket/x.jsonl",
+           "ftp": "ftp://host/x.jsonl", "both": f"file://{input_root}/rows.parquet"}[case]
+    body = {"input_url": url, **({"input_file_id": "file-x"} if case == "both" else {})}
+    r = httpx.post(api_url + "/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"][0]
+    want = {"outside the root": "not under FANOUT_INPUT_ROOT", "climbing out": "not under FANOUT_INPUT_ROOT",
+            "missing": "cannot read it", "s3 with a local store": "not in the configured blob store",
+            "ftp": "give s3://bucket/key", "both": "not both"}[case]
+    assert want in detail["msg"], detail
+    if case != "both":
+        assert detail["loc"] == ["body", "input_url"]
+
+
 def test_bad_lines_are_named_and_no_job_is_made(api_url, worker):
     lines = [{"prompt": "fine"}, "!{not json", {"prompt": ""}, {"prompt": "x", "sampling_params": {"top_p": 7}},
              {"prompt": "x", "sampling_params": {"max_new_tokens": 5000}}, {"prompt": "x", "custom_id": "a"},
