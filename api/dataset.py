@@ -102,13 +102,22 @@ def _loc(field: str, n: int, loc) -> list:
     return ["body", field, n, *(p for p in loc if p not in UNION_TAGS)]
 
 
+def job_seed(req: JobRequest) -> int:
+    """The seed of a dataset job: its own, else its shared sampling parameters', else a new
+    one. Each line's samples draw from (seed, index, sample), unless the line has its own."""
+    if req.seed is not None:
+        return req.seed
+    if req.sampling_params.seed is not None:
+        return req.sampling_params.seed
+    return random.getrandbits(63)
+
+
 def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobRequest, settings: Settings,
-         builder: items.Builder) -> jobs.Planned:
+         builder: items.Builder, seed: int) -> jobs.Planned:
     """The job of `req` (which names its dataset) from the dataset's rows (rows()), laid out
     by `builder`; RequestValidationError naming the lines or rows at fault (MAX_ERRORS at most)."""
     shared = req.sampling_params.model_dump(mode="json", exclude_defaults=True)
-    shared_seed = shared.pop("seed", None)  # the job seed: each line's samples draw from (seed, index, sample)
-    seed = req.seed if req.seed is not None else shared_seed
+    shared.pop("seed", None)  # the job seed (job_seed), not each line's own
     errors, kind, seen = [], None, Seen()
     tokens = 0
 
@@ -182,5 +191,4 @@ def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobR
     if errors:
         raise RequestValidationError(errors)
     # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
-    return jobs.Planned(kind, builder.ns, tokens, seed if seed is not None else random.getrandbits(63),
-                        None, builder.finish())
+    return jobs.Planned(kind, builder.ns, tokens, seed, None, builder.finish())

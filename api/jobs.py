@@ -28,6 +28,7 @@ from worker import items, shards
 from worker.settings import Settings
 from worker.spec import QUEUES, JobSpec
 
+from .lease import Lost
 from .schemas import JobRequest
 from .tenants import OverLimit, Tenant
 
@@ -109,16 +110,23 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
                   req.metadata, job_id, idempotency, tenant, store)
 
 
+class Closed(Exception):
+    """A validating job that was canceled (or failed) meanwhile: it is not created."""
+
+
 def create(redis, planned: Planned, settings: Settings, priority: str = "normal", run_at: datetime | None = None,
            metadata: dict | None = None, job_id: str | None = None, idempotency: tuple[str, str] | None = None,
-           tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
+           tenant: Tenant | None = None, store: blobs.Store | None = None, validated=None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
     transaction. `idempotency` = (key, body hash): the key is claimed in that same
     transaction, so a claim never exists without its job; raises Claimed if the key was
     taken. `tenant` (None in open mode) owns the job: its rights and limits are checked
     (HTTPException 403, OverLimit) and the job takes one of its in-flight slots, given back
     by publisher.close. A job whose items are in the store already and is not created has
-    them swept at once. Returns the JobCreated body."""
+    them swept at once. `validated`: the lease of a dataset job's validation
+    (api/validation.py): the job exists, `validating`, and is filled in here, while that
+    lease is held (lease.Lost if not) and the job was not canceled (Closed). Returns
+    the JobCreated body."""
     job_id = job_id or new_id()
     lay, ns, size = planned.lay, planned.ns, len(planned.ns)
     in_store = lay.chunks is None or (store is not None and lay.size > settings.items_store_bytes)
@@ -161,6 +169,14 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                     if stored is not None:
                         pipe.reset()
                         raise Claimed(json.loads(stored))
+                if validated is not None:
+                    pipe.watch(keys.closed(job_id), validated.key)
+                    if pipe.exists(keys.closed(job_id)):
+                        pipe.reset()
+                        raise Closed(job_id)
+                    if not validated.held(pipe):
+                        pipe.reset()
+                        raise Lost(job_id)
                 if max_jobs is not None:
                     pipe.watch(slots)  # another of the tenant's submits (or a job ending) meanwhile: again
                     if int(pipe.get(slots) or 0) >= max_jobs:
@@ -174,6 +190,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                 if claim:
                     pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": planned.seed,
                                                 "items": size}), ex=settings.result_ttl)
+                if validated is not None:  # listed already, as validating: moved to its status's index
+                    results_listing.set_state(pipe, job_id, status)
                 pipe.hset(keys.info(job_id), mapping=info)
                 pipe.xadd(keys.stream(job_id), events.status(status, total=size))
                 if planned.custom_ids:
@@ -184,8 +202,9 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                     pipe.expire(k, lasts)
                 # The listing: entries of expired jobs go when a listing meets them, or at this age.
                 now = time.time()
-                results_listing.add(pipe, listed, job_id, status, now,
-                                    now - settings.job_timeout - settings.result_ttl)
+                if validated is None:
+                    results_listing.add(pipe, listed, job_id, status, now,
+                                        now - settings.job_timeout - settings.result_ttl)
                 try:
                     pipe.execute()
                     break
@@ -242,7 +261,7 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "id": job_id, "status": status, "priority": info["priority"],
         "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
         "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
-        "error": error, "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
+        "error": error, "errors": info["errors"], "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
         "model": info["model"], "stream": keys.stream(job_id), "run_at": info["run_at"],
         "created_at": times["created_at"], "started_at": times["started_at"], "ended_at": times["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},

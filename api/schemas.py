@@ -12,7 +12,7 @@ from worker.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
 from .tenants import LIMITS
 
 Priority = Literal["high", "normal", "low"]
-Status = Literal["queued", "scheduled", "running", "succeeded", "failed", "canceled"]
+Status = Literal["validating", "queued", "scheduled", "running", "succeeded", "failed", "canceled"]
 MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
@@ -99,7 +99,7 @@ class JobCreated(BaseModel):
     status: Status
     stream: str = Field(description="Redis stream key of the job's events (XREAD it, or use /events)")
     seed: int
-    items: int
+    items: int | None = Field(description="the job's item count; null while a dataset is validating")
 
 
 class Progress(BaseModel):
@@ -137,6 +137,8 @@ class JobInfo(BaseModel):
     progress: Progress
     usage: Usage = Field(description="summed over samples")
     error: str | None
+    errors: list[dict] | None = Field(None, description=(
+        "a dataset job that failed validation: the lines at fault, as a 422's `detail` names them"))
     seed: int
     attempt: int = Field(description="1 + the retries of its shards so far (a shard resumed after "
                                      "its worker died or handed it back counts one); 0 before any started")

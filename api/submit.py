@@ -9,6 +9,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from typing import Iterator, Literal
 
 import anyio
@@ -19,10 +20,10 @@ from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from results import events, keys, progress, store
-from worker import items
 
-from . import dataset, jobs, streams
+from . import dataset, jobs, streams, validation
 from .batchfile import BatchFileError, write_results
+from .lease import Lease
 from .openai import files
 from .openai.errors import OpenAIError
 
@@ -54,8 +55,11 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
         status, _ = jobs.status_of(redis, stored["id"])
     except jobs.JobNotFound:
         raise _not_found(stored["id"]) from None
+    items = stored["items"]
+    if items is None and status != "validating":  # a dataset job's, claimed before it was read
+        items = int(redis.hget(keys.info(stored["id"]), "total") or 0)
     return {"id": stored["id"], "status": status, "stream": keys.stream(stored["id"]),
-            "seed": stored["seed"], "items": stored["items"]}
+            "seed": stored["seed"], "items": items}
 
 
 @router.post("/jobs", status_code=202, response_model=JobCreated, responses={
@@ -66,9 +70,10 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 def submit(req: JobRequest, request: Request, response: Response,
            idempotency_key: str | None = Header(None, max_length=256, description=(
                "a retried POST with the same key (and body) returns the same job"))):
-    """Submit a batch job: its items, or `input_file_id` naming a file of them. Returns once
-    the job is queued (a file: once every line is checked and laid out); the job runs when
-    a worker takes it."""
+    """Submit a batch job: its items, or a dataset of them (`input_file_id`, `input_url`).
+    Returns once the job is queued; a dataset's job at once, `validating` while its lines
+    are checked and laid out, then queued (or failed, naming the lines at fault). The job
+    runs when a worker takes it."""
     st, tenant = _state(request), request.state.tenant
     f = _dataset_file(st, req, tenant) if req.input_file_id is not None else None
     idempotency = None
@@ -79,7 +84,7 @@ def submit(req: JobRequest, request: Request, response: Response,
         idempotency = (idempotency_key, hashlib.sha256(same.model_dump_json().encode()).hexdigest())
     try:
         if req.input is not None:
-            body = _submit_dataset(st, req, f, idempotency, tenant)
+            body = _submit_dataset(st, req, idempotency, tenant)
         else:
             spec = req.spec()
             jobs.check_limits(req, spec, st.settings)
@@ -105,26 +110,19 @@ def _dataset_file(st, req: JobRequest, tenant) -> dict:
     return f
 
 
-def _submit_dataset(st, req: JobRequest, f: dict | None, idempotency, tenant) -> dict:
-    """A job whose items are a dataset's lines or rows (api/dataset.py): the uploaded file
-    `f`, or req.input_url."""
-    jobs.check_claim(st.redis, idempotency, tenant)  # before reading the dataset
-    if f is not None:
-        chunks = files.content(st.redis, st.blobs, f["id"], tenant)
-    else:
+def _submit_dataset(st, req: JobRequest, idempotency, tenant) -> dict:
+    """A job whose items are a dataset's lines or rows (api/dataset.py): `validating` at
+    once, checked and queued in a thread of this process (api/validation.py). A URL that
+    names nothing readable is a 422 here."""
+    if req.input_url is not None:
         chunks = dataset.open_url(req.input_url, st.settings, st.blobs)
-    job_id = jobs.new_id()
-    builder = items.Builder(st.redis, st.blobs, job_id, st.settings.shard_samples)
-    try:
-        planned = dataset.plan(dataset.rows(chunks), req, st.settings, builder)
-    except BatchFileError as e:  # not Parquet after all, or no pyarrow here to read it
-        builder.abandon()
-        raise RequestValidationError([{"loc": ("body", req.input), "type": "value_error", "msg": str(e)}]) from None
-    except BaseException:
-        builder.abandon()
-        raise
-    return jobs.create(st.redis, planned, st.settings, req.priority, req.run_at, req.metadata, job_id,
-                       idempotency, tenant)
+        getattr(chunks, "close", lambda: None)()  # read again by the validation
+    body = validation.start(st.redis, req, st.settings, tenant, idempotency)
+    lease = Lease(st.redis, keys.validation(body["id"]), validation.LEASE)
+    if lease.take():  # else a sweep found it first and validates it
+        threading.Thread(target=validation.validate, args=(st.redis, st.blobs, st.settings, body["id"], lease),
+                         daemon=True, name=f"validate-{body['id']}").start()
+    return body
 
 
 @router.get("/jobs", response_model=JobList)

@@ -3,7 +3,8 @@ owner no longer needs (keys.blobs_due): the bytes of a file whose object expired
 deleted, and the items and results of a job that expired, or that was never created (its submit
 failed after writing them). Whatever is due is checked against Redis first: an owner that
 is still there (a file saved again, a job whose keys were kept longer) gets its own expiry
-instead. A store that is down is swept once it is back."""
+instead. A store that is down is swept once it is back. It also starts again the validations of
+dataset jobs whose API process went away midway (api/validation.py)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ import redis as redis_lib
 
 from results import blobs, keys
 
+from . import validation
 from .openai import files
 
 log = logging.getLogger("fanout.api")
@@ -25,6 +27,7 @@ async def run(state) -> None:
         await anyio.sleep(SWEEP)
         try:
             await anyio.to_thread.run_sync(sweep_once, state.redis, state.blobs)
+            await anyio.to_thread.run_sync(validation.resume_stalled, state.redis, state.blobs, state.settings)
         except (redis_lib.RedisError, blobs.StoreError) as e:
             log.warning("sweep: %s; trying again", e)
 

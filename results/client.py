@@ -42,7 +42,7 @@ def _check(r: httpx.Response) -> Any:
     return r.json()
 
 
-LONG = 3600.0  # seconds: an upload, or a job checking a dataset file's lines
+LONG = 3600.0  # seconds: an upload
 
 
 class Client:
@@ -62,12 +62,10 @@ class Client:
 
     def submit(self, body: dict | None = None, idempotency_key: str | None = None, **fields) -> dict:
         """POST /v1/jobs with `body` (or keyword fields: prompts=..., sampling_params=...).
-        Returns {id, status, stream, seed, items, replayed}."""
+        Returns {id, status, stream, seed, items, replayed}; a dataset's job comes back
+        `validating` (items null), its lines checked after (events() follows it)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        # A job naming a dataset answers once every line is checked: give it time.
-        body = {**(body or {}), **fields}
-        r = self.http.post("/v1/jobs", json=body, headers=headers,
-                           timeout=LONG if {"input_file_id", "input_url"} & set(body) else httpx.USE_CLIENT_DEFAULT)
+        r = self.http.post("/v1/jobs", json={**(body or {}), **fields}, headers=headers)
         # `replayed`: the key was used before with this body; this is that job.
         return {**_check(r), "replayed": r.headers.get("Idempotent-Replayed") == "true"}
 

@@ -123,6 +123,17 @@ def kept(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:kept"
 
 
+def validating() -> str:
+    """Set of the dataset jobs being validated (api/validation.py): the sweep starts again
+    any whose lease (keys.validation) has expired."""
+    return f"{PREFIX}:validating"
+
+
+def validation(job_id: str) -> str:
+    """The lease of the API process validating a dataset job (api/validation.py)."""
+    return f"{PREFIX}:job:{job_id}:validation"
+
+
 def files(tenant: str | None) -> str:
     """Sorted set of the tenant's file ids (every file in open mode), scored by creation time."""
     return f"{PREFIX}:files" if tenant is None else f"{PREFIX}:tenant:{tenant}:files"

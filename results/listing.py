@@ -3,7 +3,7 @@
 Each job is in one listing (keys.jobs: its tenant's, or the open one), a sorted set scored by
 submit time, and in that listing's index of its status (keys.by_status), scored the same. A
 status change moves it between indexes in the transaction (or script) that changes the
-status: submit (queued / scheduled), a shard's claim (running), a shard handed back with none
+status: submit (validating, for a dataset; queued / scheduled), a shard's claim (running), a shard handed back with none
 running (queued), the close (succeeded / failed / canceled). Its info hash names its listing
 (`listed`), so the scripts find it. Pages go by (score, id), newest first, so a job that
 changes status between two pages neither repeats nor hides the others. Entries of expired
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import keys
 
-STATUSES = ("queued", "scheduled", "running", "succeeded", "failed", "canceled")
+STATUSES = ("validating", "queued", "scheduled", "running", "succeeded", "failed", "canceled")
 
 # Lua: set the job's state and move it to that state's index. Included in the scripts that
 # change a state (worker/shards.py, publisher._CLOSE); `info` the info hash key, `job` its id.

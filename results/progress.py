@@ -88,6 +88,7 @@ def decode(raw: dict) -> dict[str, Any]:
     out["metadata"] = json.loads(d["metadata"]) if "metadata" in d else {}
     out["priority"] = d.get("priority", "normal")
     out["error"] = d.get("error") or None
+    out["errors"] = json.loads(d["errors"]) if "errors" in d else None  # a dataset's lines at fault
     out["run_at"] = d.get("run_at") or None
     out["model"] = d.get("model") or None  # the worker's, written when it starts the job
     return out

@@ -176,16 +176,17 @@ def cmd_submit(args) -> None:
         job = _submit_dataset(client, body, key) if upload else client.submit(body, idempotency_key=key)
         again = " (submitted before with this file and these flags: following it; --new submits " \
                 "another)" if job.get("replayed") else ""
-        print(f"job {job['id']} ({job['items']} items, seed {job['seed']}){again}", file=sys.stderr)
+        print(f"job {job['id']} ({spec.size} items, seed {job['seed']}){again}", file=sys.stderr)
         if args.no_wait:
             _print_json({k: v for k, v in job.items() if k != "replayed"})
             return
-        total = job["items"]
         left = dict(enumerate(p.n for p in spec.sampling_params))
-        bar = tqdm(total=total, unit="row", file=sys.stderr)
+        bar = tqdm(total=spec.size, unit="row", file=sys.stderr)
         status = None
         for _, entry in client.events(job["id"]):
-            if entry["type"] in ("final", "error"):
+            if entry["type"] == "trimmed":  # followed late: the items done meanwhile, from the job
+                bar.update(max(0, client.status(job["id"])["progress"]["done"] - bar.n))
+            elif entry["type"] in ("final", "error"):
                 left[entry["index"]] -= 1
                 if left[entry["index"]] == 0:
                     bar.update(1)

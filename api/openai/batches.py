@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 
 import anyio
@@ -27,6 +26,7 @@ from worker import items
 from worker.settings import Settings
 
 from .. import jobs
+from ..lease import Lease, Lost
 from ..schemas import JobRequest
 from ..tenants import OverLimit
 from . import batchinput, bodies, files, models
@@ -57,36 +57,6 @@ def load(redis, batch_id: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-class Lease:
-    """The right to finalize one batch: a token under keys.batch_lock that expires LEASE
-    seconds after its last renewal, so a holder that died is replaced within seconds, and
-    that every write of the finalization checks (fencing): a holder that lost it (paused
-    past LEASE) writes nothing that counts. The files it writes have ids made from the
-    batch's, so a second finalizer overwrites them instead of leaving orphans."""
-    _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-    _DROP = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-    def __init__(self, redis, batch_id: str):
-        self.redis, self.key, self.token = redis, keys.batch_lock(batch_id), os.urandom(8).hex()
-
-    def take(self) -> bool:
-        return bool(self.redis.set(self.key, self.token, nx=True, ex=LEASE))
-
-    def renew(self) -> bool:
-        return bool(self.redis.eval(self._RENEW, 1, self.key, self.token, LEASE * 1000))
-
-    def held(self, pipe) -> bool:
-        """Under WATCH of self.key in `pipe`: whether this process still holds it."""
-        return (pipe.get(self.key) or b"").decode() == self.token
-
-    def release(self) -> None:
-        self.redis.eval(self._DROP, 1, self.key, self.token)
-
-
-class LostLease(Exception):
-    """The finalization took longer than LEASE between renewals: another process does it."""
-
-
 def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) -> dict | None:
     """Apply `change(record)` -> the fields to set (None: leave it) atomically, and only
     while `lease` is held if one is given. An ended batch leaves the open set and expires
@@ -100,7 +70,7 @@ def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) 
                 record = json.loads(raw) if raw else None
                 fields = change(record) if record else None
                 if lease is not None and not lease.held(pipe):
-                    raise LostLease(batch_id)
+                    raise Lost(batch_id)
                 if not fields:
                     pipe.reset()
                     return record
@@ -270,12 +240,13 @@ def advance(redis, settings: Settings, blob_store: blobs.Store, batch_id: str) -
                              settings.result_ttl)
         jobs.cancel(redis, job_id, settings)  # a running job stops within one engine step
         return record
-    lease = Lease(redis, batch_id)
+    # Its files have ids made from the batch's: a second finalizer overwrites them, leaving no orphans.
+    lease = Lease(redis, keys.batch_lock(batch_id), LEASE)
     if not ended or not lease.take():
         return record
     try:
         return _finalize(redis, settings, blob_store, batch_id, status, lease)
-    except LostLease:
+    except Lost:
         log.warning("batches: %s took over %d s between renewals of its lease; another process "
                     "finalizes it", batch_id, LEASE)
         return load(redis, batch_id)
@@ -327,7 +298,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
     for name, w in (("output", output), ("error", errors)):
         if counts[name]:
             if not lease.renew():
-                raise LostLease(batch_id)
+                raise Lost(batch_id)
             done[f"{name}_file_id"] = files.record(redis, blob_store, ids[name], w.size, f"{batch_id}_{name}.jsonl",
                                                    "batch_output", record["_tenant"], settings.result_ttl)["id"]
     if ending == "failed":
@@ -356,7 +327,7 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
 
     for offset in range(0, len(ns), 1000):
         if not lease.renew():
-            raise LostLease(record["id"])
+            raise Lost(record["id"])
         answered = []
         for item in store.page(redis, blob_store, job_id, info, offset, 1000):
             i, samples = item["index"], item["samples"]

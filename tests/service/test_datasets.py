@@ -3,11 +3,12 @@ POST /v1/jobs `input_file_id`) runs as the same items in a body would, past the 
 cap, with its items in the blob store; bad lines are named."""
 import json
 import os
+import time
 
 import httpx
 import pytest
 
-from conftest import wait_for
+from conftest import entries, wait_for
 from results import keys
 
 
@@ -36,9 +37,8 @@ def test_a_dataset_job_runs_as_the_same_items_in_a_body(api_url, worker, redis, 
     file_id = upload(api_url, lines)
     shared = {"max_new_tokens": 4, "temperature": 0}
     r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id, "sampling_params": shared, "seed": 5})
-    assert r.status_code == 202, r.text
-    job = r.json()
-    assert job["items"] == 100 and job["seed"] == 5
+    job = validated(api_url, r)
+    assert job["progress"]["total"] == 100 and job["seed"] == 5
     got = finished(api_url, job["id"])
     assert [it["custom_id"] for it in got] == [f"c{i}" for i in range(100)]
     assert [len(it["samples"]) for it in got] == [2 if i == 7 else 1 for i in range(100)]
@@ -82,8 +82,8 @@ def test_a_waiting_dataset_jobs_results_name_its_items(api_url, worker, redis):
     """Items of shards not done yet: their custom ids from the store, no samples."""
     file_id = upload(api_url, [{"prompt": f"later {i}", "custom_id": f"w{i}"} for i in range(70)])
     r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id, "run_at": "2099-01-01T00:00:00Z"})
-    assert r.status_code == 202, r.text
-    job_id = r.json()["id"]
+    job_id = validated(api_url, r)["id"]
+    assert httpx.get(f"{api_url}/v1/jobs/{job_id}").json()["status"] == "scheduled"
     page = httpx.get(f"{api_url}/v1/jobs/{job_id}/results", params={"offset": 60, "limit": 20}).json()
     assert [(it["index"], it["custom_id"], it["samples"]) for it in page["items"]] == \
         [(i, f"w{i}", []) for i in range(60, 70)]
@@ -121,8 +121,8 @@ def test_a_parquet_dataset_by_url_comes_out_as_parquet_in_order(api_url, worker,
     assert [json.loads(x)["custom_id"] for x in lines] == [f"p{i}" for i in range(40)]
     # A bad row of a Parquet file is named as a line is.
     pq.write_table(pa.table({"prompt": ["fine", "", "fine too"]}), input_root / "bad.parquet")
-    r = httpx.post(api_url + "/v1/jobs", json={"input_url": f"file://{input_root}/bad.parquet"})
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "input_url", 2, "prompt"], r.text
+    job = validated(api_url, httpx.post(api_url + "/v1/jobs", json={"input_url": f"file://{input_root}/bad.parquet"}))
+    assert job["status"] == "failed" and [e["loc"] for e in job["errors"]] == [["body", "input_url", 2, "prompt"]], job
 
 
 @pytest.mark.parametrize("case", ["outside the root", "climbing out", "missing", "s3 with a local store", "ftp",
@@ -144,23 +144,54 @@ def test_input_url_refusals_name_the_field(api_url, worker, input_root, tmp_path
         assert detail["loc"] == ["body", "input_url"]
 
 
-def test_bad_lines_are_named_and_no_job_is_made(api_url, worker):
+def validated(api_url, r) -> dict:
+    """The job of a dataset POST once it has left `validating`."""
+    assert r.status_code == 202 and r.json()["status"] == "validating" and r.json()["items"] is None, r.text
+    job_id = r.json()["id"]
+    return wait_for(lambda: (j := httpx.get(f"{api_url}/v1/jobs/{job_id}").json())["status"] != "validating" and j,
+                    60, "the validation to end")
+
+
+def test_bad_lines_fail_the_job_naming_them(api_url, worker, redis):
     lines = [{"prompt": "fine"}, "!{not json", {"prompt": ""}, {"prompt": "x", "sampling_params": {"top_p": 7}},
              {"prompt": "x", "sampling_params": {"max_new_tokens": 5000}}, {"prompt": "x", "custom_id": "a"},
              {"prompt": "y", "custom_id": "a"}, {"input_ids": [1, 2]}, {"prompt": "x", "extra": 1}]
     file_id = upload(api_url, lines)
-    before = httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"]
-    r = httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id})
-    assert r.status_code == 422, r.text
-    errors = {tuple(e["loc"][:3]): e for e in r.json()["detail"]}
-    assert set(errors) == {("body", "input_file_id", n) for n in (2, 3, 4, 5, 7, 8, 9)}, r.json()
+    job = validated(api_url, httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id}))
+    assert job["status"] == "failed" and job["progress"]["total"] == 0, job
+    errors = {tuple(e["loc"][:3]): e for e in job["errors"]}
+    assert set(errors) == {("body", "input_file_id", n) for n in (2, 3, 4, 5, 7, 8, 9)}, job
     assert errors[("body", "input_file_id", 3)]["loc"][3:] == ["prompt"]
     assert errors[("body", "input_file_id", 4)]["loc"][3:] == ["sampling_params", "top_p"]
     assert "FANOUT_MAX_NEW_TOKENS" in errors[("body", "input_file_id", 5)]["msg"]
     assert "used by an earlier line" in errors[("body", "input_file_id", 7)]["msg"]
     assert "same field as the first" in errors[("body", "input_file_id", 8)]["msg"]
     assert errors[("body", "input_file_id", 9)]["loc"][3:] == ["extra"]
-    assert httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"] == before
+    assert job["error"].startswith("the dataset has errors (7): line 2: line: not JSON"), job["error"]
+    assert "line 3: prompt: " in job["error"]
+    # Nothing of it is queued or left to run; its stream says what happened, in order.
+    assert not redis.exists(keys.shards(job["id"])) and not redis.sismember(keys.validating(), job["id"])
+    assert [e["status"] for e in entries(redis, job["id"])] == ["validating", "failed"]
+    listed = httpx.get(api_url + "/v1/jobs", params={"status": "failed", "limit": 100}).json()["data"]
+    assert job["id"] in [j["id"] for j in listed]
+
+
+def test_a_validating_job_is_listed_so_and_can_be_canceled(api_url, worker, redis, input_root):
+    """A big file: its job is `validating` (listed so) while the lines are read; canceled
+    then, it is never queued."""
+    with open(input_root / "big.jsonl", "w") as f:
+        for i in range(200_000):
+            f.write(json.dumps({"prompt": f"big {i}"}) + "\n")
+    r = httpx.post(api_url + "/v1/jobs", json={"input_url": f"file://{input_root}/big.jsonl"})
+    assert r.status_code == 202 and r.json()["status"] == "validating", r.text
+    job_id = r.json()["id"]
+    listed = httpx.get(api_url + "/v1/jobs", params={"status": "validating"}).json()["data"]
+    assert job_id in [j["id"] for j in listed]
+    assert httpx.post(f"{api_url}/v1/jobs/{job_id}/cancel").json()["status"] == "canceled"
+    wait_for(lambda: not redis.sismember(keys.validating(), job_id), 120, "the validation to stop")
+    assert httpx.get(f"{api_url}/v1/jobs/{job_id}").json()["status"] == "canceled"
+    assert not redis.exists(keys.shards(job_id))
+    assert [e["status"] for e in entries(redis, job_id) if e["type"] == "status"] == ["validating", "canceled"]
 
 
 @pytest.mark.parametrize("case", ["unknown", "batch purpose", "items too"])
@@ -189,3 +220,48 @@ def test_custom_ids_seen_past_memory_go_to_disk(monkeypatch):
         assert seen.add("id10")
         where = seen.dir.name
     assert seen.db is None and not os.path.exists(where)
+
+
+def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_path, storage_dir):
+    """kill -9 of the API process reading a dataset: the other API process of its Redis
+    starts the validation again once the lease has expired (LEASE, then its next sweep),
+    and the job is laid out once, whole, with its id and seed."""
+    import signal
+
+    import redis as redis_lib
+
+    from api import sweep, validation
+    from conftest import start_api
+    from worker.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    env = {"FANOUT_INPUT_ROOT": str(tmp_path)}
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        for i in range(60_000):
+            f.write(json.dumps({"prompt": f"row {i}", "custom_id": f"k{i}"}) + "\n")
+    dying, url = start_api(server.url, tmp_path, "api-dying", env=env)
+    other, other_url = start_api(server.url, tmp_path, "api-other", env=env)
+    r = redis_lib.Redis.from_url(server.url)
+    try:
+        job = httpx.post(url + "/v1/jobs", json={"input_url": f"file://{tmp_path}/rows.jsonl", "seed": 9,
+                                                 "run_at": "2099-01-01T00:00:00Z"}).json()
+        assert job["status"] == "validating"
+        wait_for(lambda: os.path.isdir(storage_dir / "jobs" / job["id"] / "items"), 30, "its first shards laid out")
+        dying.stop(signal.SIGKILL)
+        assert httpx.get(f"{other_url}/v1/jobs/{job['id']}").json()["status"] == "validating"
+        t0 = time.monotonic()
+        info = wait_for(lambda: (j := httpx.get(f"{other_url}/v1/jobs/{job['id']}").json())["status"] != "validating"
+                        and j, validation.LEASE + 2 * sweep.SWEEP + 90, "another API process to finish it")
+        took = time.monotonic() - t0
+        assert info["status"] == "scheduled" and info["progress"]["total"] == 60_000 and info["seed"] == 9, info
+        with open(other.log_path, errors="replace") as log:
+            assert "stopped midway (its API process went away); starting it again" in log.read()
+        assert took >= validation.LEASE - 5  # not before the dead one's lease ran out
+        page = httpx.get(f"{other_url}/v1/jobs/{job['id']}/results", params={"offset": 59_990, "limit": 10}).json()
+        assert [it["custom_id"] for it in page["items"]] == [f"k{i}" for i in range(59_990, 60_000)]
+        assert not r.sismember(keys.validating(), job["id"])
+    finally:
+        for p in (dying, other):
+            p.stop()
+        r.close()
+        server.stop()

@@ -1,0 +1,165 @@
+"""A dataset job's validation, after its POST has answered (as OpenAI's batches do).
+
+    POST /v1/jobs {input_file_id | input_url}
+      -> the job, `validating`: its info hash (with the request), listing, first stream
+         entry and idempotency claim, in one transaction; 202 with its id
+      -> in the background, holding the job's lease: every line read, checked and laid out
+         by shard into the blob store (api/dataset.py), then the job filled in and queued
+         (jobs.create), or `failed`, its `error` and `errors` naming the lines at fault
+
+The lease (keys.validation, LEASE seconds) is renewed as the lines are read; a process
+that died midway leaves it to expire, and the sweep of any API process (api/sweep.py)
+starts the validation again from the first line: the layout writes the same objects, and
+the job keeps its id, seed and claim. A job canceled while validating is never queued.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from redis.exceptions import WatchError
+
+from results import blobs, events, keys, listing, progress, publisher
+from worker import items
+from worker.settings import Settings
+
+from . import dataset, jobs, tenants
+from .batchfile import BatchFileError
+from .lease import Lease, Lost
+from .openai import files
+from .openai.errors import OpenAIError
+from .schemas import JobRequest
+from .tenants import OverLimit
+
+log = logging.getLogger("fanout.api")
+LEASE = 30  # seconds a validating API process holds a job between renewals
+RENEW_ROWS = 1000  # rows read between renewals
+
+
+def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> dict:
+    """The job, `validating`, in one transaction with its idempotency claim (jobs.Claimed if
+    that was taken); returns the JobCreated body. The caller then runs `validate` with the
+    lease this took."""
+    job_id, seed, now = jobs.new_id(), dataset.job_seed(req), time.time()
+    listed = keys.jobs(tenant.id if tenant else None)
+    info = {"state": "validating", "total": 0, "samples": 0, "seed": seed, "priority": req.priority,
+            "metadata": json.dumps(req.metadata or {}), "created_at": progress.timestamp(), "listed": listed,
+            "request": req.model_dump_json(exclude_none=True)}
+    if tenant:
+        info["tenant"] = tenant.id
+    lasts = settings.job_timeout + settings.result_ttl
+    claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
+    with redis.pipeline() as pipe:
+        while True:
+            try:
+                if claim:
+                    pipe.watch(claim)
+                    stored = pipe.get(claim)
+                    if stored is not None:
+                        pipe.reset()
+                        raise jobs.Claimed(json.loads(stored))
+                pipe.multi()
+                pipe.hset(keys.info(job_id), mapping=info)
+                pipe.xadd(keys.stream(job_id), events.status("validating"))
+                for k in (keys.info(job_id), keys.stream(job_id)):
+                    pipe.expire(k, lasts)
+                listing.add(pipe, listed, job_id, "validating", now, now - lasts)
+                if claim:
+                    pipe.set(claim, json.dumps({"id": job_id, "hash": idempotency[1], "seed": seed, "items": None}),
+                             ex=settings.result_ttl)
+                pipe.sadd(keys.validating(), job_id)
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    return {"id": job_id, "status": "validating", "stream": keys.stream(job_id), "seed": seed, "items": None}
+
+
+def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: Lease) -> None:
+    """Read, check and lay out the job's dataset, then queue the job, or fail it naming the
+    lines at fault, holding `lease` (taken by the caller). Never raises: whatever goes
+    wrong is the job's error."""
+    raw = redis.hgetall(keys.info(job_id))
+    info = {k.decode(): v.decode() for k, v in raw.items()}
+    if info.get("state") != "validating" or redis.exists(keys.closed(job_id)):
+        _done(redis, job_id, lease)  # canceled meanwhile, or expired
+        return
+    req = JobRequest.model_validate_json(info["request"])
+    builder = items.Builder(redis, store, job_id, settings.shard_samples)
+    try:
+        tenant = tenants.by_id(redis, info["tenant"]) if "tenant" in info else None
+        if req.input_file_id is not None:
+            chunks = files.content(redis, store, req.input_file_id, tenant)
+        else:
+            chunks = dataset.open_url(req.input_url, settings, store)
+        planned = dataset.plan(_renewing(dataset.rows(chunks), lease), req, settings, builder, int(info["seed"]))
+        jobs.create(redis, planned, settings, req.priority, req.run_at, req.metadata, job_id, tenant=tenant,
+                    validated=lease)
+        log.info("job %s: dataset validated, %d items queued", job_id, len(planned.ns))
+    except Lost:
+        log.warning("job %s: its validation lease ran out; another API process validates it", job_id)
+        return  # not abandoned: the other process writes the same objects
+    except jobs.Closed:
+        builder.abandon()  # canceled while validating: never queued
+    except RequestValidationError as e:
+        builder.abandon()
+        _fail(redis, job_id, settings, list(e.errors()))
+    except Exception as e:  # noqa: BLE001 - the job says why; the process goes on
+        builder.abandon()
+        _fail(redis, job_id, settings, None, _message(e))
+        if not isinstance(e, (blobs.StoreError, OverLimit, HTTPException, OpenAIError, BatchFileError)):
+            log.exception("job %s: validation failed", job_id)
+    _done(redis, job_id, lease)
+
+
+def _renewing(records, lease: Lease):
+    for i, record in enumerate(records):
+        if i % RENEW_ROWS == 0 and not lease.renew():
+            raise Lost(lease.key)
+        yield record
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, HTTPException):
+        return str(e.detail)
+    if isinstance(e, OpenAIError):
+        return e.message
+    return str(e) or type(e).__name__
+
+
+def _fail(redis, job_id: str, settings: Settings, errors: list[dict] | None, message: str | None = None) -> None:
+    if errors is not None:
+        shown = "; ".join(f"line {e['loc'][2]}: {'.'.join(map(str, e['loc'][3:])) or 'line'}: {e['msg']}"
+                          if len(e["loc"]) > 2 else f"{e['msg']}" for e in errors[:5])
+        message = f"the dataset has errors ({len(errors)}{'+' if len(errors) >= dataset.MAX_ERRORS else ''}): {shown}"
+        redis.hset(keys.info(job_id), "errors", json.dumps(errors))
+    redis.hset(keys.info(job_id), "error", message)
+    publisher.close(redis, job_id, "failed", settings.result_ttl, error=message, done=0, total=0, failed=0)
+
+
+def _done(redis, job_id: str, lease: Lease) -> None:
+    redis.srem(keys.validating(), job_id)
+    lease.release()
+
+
+def resume_stalled(redis, store: blobs.Store, settings: Settings) -> list[str]:
+    """The sweep's part: validations whose process died (lease expired) start again here,
+    each in a thread of its own. Returns their job ids."""
+    resumed = []
+    for raw in redis.smembers(keys.validating()):
+        job_id = raw.decode()
+        if not redis.exists(keys.info(job_id)):
+            redis.srem(keys.validating(), job_id)  # expired
+            continue
+        lease = Lease(redis, keys.validation(job_id), LEASE)
+        if lease.take():
+            log.warning("job %s: its validation stopped midway (its API process went away); starting it again",
+                        job_id)
+            threading.Thread(target=validate, args=(redis, store, settings, job_id, lease), daemon=True,
+                             name=f"validate-{job_id}").start()
+            resumed.append(job_id)
+    return resumed
