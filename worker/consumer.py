@@ -382,8 +382,8 @@ class Consumer(Outages, Publishing, BaseWorker):
         self.active[job.id] = a
         try:
             spec = self.retrying(self.read_shard, c)
-        except blobs.StoreError as e:  # down, or denying: another attempt may find it back
-            self.fail(a, str(e), abort=False)
+        except blobs.StoreError as e:  # away, or denying: held, no strike, until it answers again
+            self.hold(a, f"{e} (the shard waits, tried again every {shards.HOLD} s)")
             return
         except Exception as e:  # not a job our API made (or made by another version): no retry
             self.fail(a, f"bad job payload: {_one_line(e)}", retry=False, abort=False)
@@ -507,6 +507,13 @@ class Consumer(Outages, Publishing, BaseWorker):
             self.retrying(shards.drop_queued, self.connection, a.job_id)
             JobLog(log, a.job_id).info("shard %d canceled, %d requests aborted", a.claim.k, n)
             self.metrics.attempt("canceled")
+
+    def hold(self, a: Active, reason: str) -> None:
+        """Queue the shard again shards.HOLD seconds on, no strike: what it needs is away."""
+        self._done(a)
+        if self._settle(a, shards.HELD, reason) is not None:
+            JobLog(log, a.job_id).warning("shard %d held for %d s: %s", a.claim.k, shards.HOLD, reason)
+            self.metrics.attempt("held")
 
     def hand_back(self, a: Active, reason: str = "worker shut down; shard handed back") -> None:
         """Requeue the shard at the front, as if never started (no strike)."""

@@ -29,7 +29,7 @@ class WorkerMetrics:
         self.step_seconds = Histogram("fanout_step_seconds", "Wall time of one engine step", ["worker"],
                                       buckets=STEP_BUCKETS, registry=self.registry).labels(name)
         self._attempts = counter("fanout_job_attempts", "Shard attempts this worker ended, by outcome: "
-                                 "succeeded, failed, retried, canceled, handed_back, dropped", "outcome")
+                                 "succeeded, failed, retried, canceled, handed_back, held, dropped", "outcome")
         self._reaped = counter("fanout_reaped_jobs", "Shards of dead workers this worker reaped, by outcome: "
                                "retried, failed, canceled", "outcome")
         self._samples = counter("fanout_samples", "Samples finished, by finish_reason", "finish_reason")

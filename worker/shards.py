@@ -15,6 +15,7 @@ for `window` of its shards to be taken, not for all of them).
                                      \\--> canceled  (the job's cancel flag: closes it `canceled`)
                                      \\--> failed    (closes the job `failed`; its other shards stop)
                                      \\--> queued    (handed back, or retried after a failed attempt)
+                                     \\--> scheduled (held: queued again HOLD seconds later)
 
 State: keys.shards holds total, window, retries, released, ended, failed (1 once a shard
 failed the job), and per shard
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -322,7 +323,8 @@ def _forget(redis, job: Job) -> None:
 
 
 # Outcomes of settle.
-DONE, CANCELED, FAILED, HANDED_BACK, RETRY = "done", "canceled", "failed", "handed back", "retry"
+DONE, CANCELED, FAILED, HANDED_BACK, RETRY, HELD = "done", "canceled", "failed", "handed back", "retry", "held"
+HOLD = 10  # seconds a HELD shard waits before it is queued again
 
 
 def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: str, result_ttl: int,
@@ -330,9 +332,10 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
            on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None,
            trim: bool = False) -> str | None:
     """End the attempt `execution` of shard k, in one transaction with its outcome:
-    DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike) or RETRY
-    (queued again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED
-    once the shard has more strikes than the job's retries). Returns the outcome applied
+    DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike), HELD (the
+    same HOLD seconds later: what it needs, e.g. the blob store, is away) or RETRY (queued
+    again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED once the
+    shard has more strikes than the job's retries). Returns the outcome applied
     (RETRY may become FAILED), or None if that attempt no longer held the shard (settled
     meanwhile, e.g. by a reaper). A reaper also watches `watch` and settles only if
     `still(pipe)` holds under it (the execution is still expired). `trim`: DONE trims the
@@ -358,7 +361,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                         applied = FAILED
                         why = (f"{error}; shard {k} (items {_items(redis, job_id, k)}) failed {strikes} "
                                "attempts that stored nothing")
-                if stopping and applied in (HANDED_BACK, RETRY):
+                if stopping and applied in (HANDED_BACK, RETRY, HELD):
                     applied = CANCELED  # canceled (or failed elsewhere) meanwhile: nothing to requeue
                 closed = pipe.exists(keys.closed(job_id))
                 counts = totals(redis, job_id)
@@ -372,12 +375,15 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                 if on_pipe is not None:
                     on_pipe(pipe)
                 batch = publisher.Batch(redis)
-                if applied in (HANDED_BACK, RETRY):
+                if applied in (HANDED_BACK, RETRY, HELD):
                     if applied == RETRY and not progressed:
                         pipe.hincrby(counters, f"strikes:{k}", 1)
                     job.started_at = None
-                    Queue(job.origin, connection=redis, serializer=JSONSerializer).enqueue_job(
-                        job, pipeline=pipe, at_front=True)
+                    q = Queue(job.origin, connection=redis, serializer=JSONSerializer)
+                    if applied == HELD:  # the workers' schedulers queue it again then (consumer.tick)
+                        q.schedule_job(job, datetime.now(timezone.utc) + timedelta(seconds=HOLD), pipeline=pipe)
+                    else:
+                        q.enqueue_job(job, pipeline=pipe, at_front=True)
                     if why:
                         batch.info(job_id, error=why)
                     if running == 0 and not closed:

@@ -198,24 +198,34 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     server.stop()
 
 
-def test_a_job_whose_items_cannot_be_read_fails_with_the_stores_error(s3_service, s3_server):
+def test_a_job_whose_items_cannot_be_read_waits_for_the_store_and_runs_once_it_is_back(s3_service, s3_server):
     import datetime
 
     import httpx
+
+    from worker import shards
     url, bucket = s3_service["url"], s3_service["bucket"]
     run_at = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=3)).isoformat()
     job = httpx.post(url + "/v1/jobs", json={"prompts": ["a", "b"], "sampling_params": {"max_new_tokens": 2},
                                              "run_at": run_at}).json()
     s3_server.stop()  # before its worker reads the items
     try:
-        # Each attempt fails at once (the store refuses connections): the job's retries, then failed.
-        info = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}").json())["status"] == "failed" and j,
-                        60, "the job to fail", interval=0.5)
+        # The store refuses connections: each attempt is held (no strike), the job queued
+        # with the store's error, for as long as it stays away (past the job's retries).
+        def held(n):
+            j = httpx.get(f"{url}/v1/jobs/{job['id']}").json()
+            return j["attempt"] >= n and j
+        info = wait_for(lambda: held(4), 4 * (shards.HOLD + 3 * (5 + 30)), "four held attempts", interval=0.5)
+        assert info["status"] == "queued", info
         assert f"blob store s3://{bucket}/tenant-a: cannot read jobs/{job['id']}/items/0.json: unreachable" \
             in info["error"], info
-        assert info["attempt"] == 3  # FANOUT_JOB_RETRIES (2) more after the first
+        assert f"tried again every {shards.HOLD} s" in info["error"]
     finally:
         s3_server.start()
+    # Back: the next attempt reads the items, and the job runs to its end.
+    info = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}").json())["status"] in ("succeeded", "failed")
+                    and j, shards.HOLD + 60, "the job to end")
+    assert info["status"] == "succeeded" and info["error"] is None and info["progress"]["done"] == 2, info
 
 
 def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, engine, tmp_path):
