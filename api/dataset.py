@@ -3,8 +3,10 @@ with `input_file_id` (a file uploaded with `POST /v1/files`, `purpose: dataset`,
 extension) or `input_url` (read by the API itself: `s3://` in the configured blob store,
 or `file://` under the folder the operator allows, FANOUT_INPUT_ROOT). JSONL in the
 `fanout submit` format (one {"prompt" | "input_ids" | "messages", "sampling_params"?,
-"custom_id"?} per line, every line the same kind; a bare JSON string is a prompt), or
-Parquet with those columns (api/batchfile.py; pyarrow), told apart by its first bytes.
+"custom_id"?} per line, every line the same kind; a bare JSON string is a prompt) or of
+OpenAI batch lines ({custom_id, method, url, body}: each the item its body asks, with the
+sampling parameters the batch would give it), or Parquet with the native columns
+(api/batchfile.py; pyarrow), told apart by its first bytes.
 
 The job is read as a stream: each line or row checked as the one item of a native body
 would be (its own `sampling_params` over the job's, the configured limits), and laid out
@@ -33,11 +35,13 @@ from worker.settings import Settings
 
 from . import jobs
 from .batchfile import FIELDS, BatchFileError, item_field, parquet_rows
+from .openai import batchinput
 from .schemas import UNION_TAGS, JobRequest
 from .unique import Seen
 
 MAX_ERRORS = 20
 PARQUET = b"PAR1"  # the first (and last) bytes of a Parquet file
+OPENAI_LINE = {"method", "url", "body"}  # the fields that tell an OpenAI batch line
 LINE_FIELDS = set(FIELDS) | {"sampling_params", "custom_id"}
 
 
@@ -139,6 +143,12 @@ def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobR
                 obj = json.loads(raw)
             except (ValueError, RecursionError) as e:
                 error(n, f"not JSON: {e}", kind_="json_invalid")
+                continue
+        if isinstance(obj, dict) and OPENAI_LINE <= set(obj):  # an OpenAI batch line: its item
+            try:
+                obj = batchinput.native_line(obj, settings)
+            except batchinput.NotALine as e:
+                error(n, e.error.message, tuple(e.error.param.split(".")) if e.error.param else ())
                 continue
         try:
             obj, field = item_field(obj, kind)

@@ -130,6 +130,39 @@ def _error(n: int, e: ValidationError, prefix: str) -> LineError:
     return LineError(n, f"{name}: {err['msg']}" if name else err["msg"], name, code)
 
 
+class NotALine(ValueError):
+    """An OpenAI batch line that is not one this server runs (LineError: what and where)."""
+
+    def __init__(self, error: LineError):
+        super().__init__(error.message)
+        self.error = error
+
+
+FIELD = {"messages": "messages", "prompts": "prompt", "input_ids": "input_ids"}  # a kind's field in a line
+
+
+def native_line(obj: dict, settings: Settings) -> dict:
+    """An OpenAI batch line ({custom_id, method, url, body}) as the native dataset line of
+    the same item (api/dataset.py): its prompt or chat, its sampling parameters, its
+    custom_id. NotALine says what is wrong (the body's `model` is not looked at: a native
+    job runs on the workers of its queue)."""
+    try:
+        line = Line.model_validate(obj)
+    except ValidationError as e:
+        raise NotALine(_error(None, e, "")) from None
+    try:
+        body = REQUESTS[line.url].model_validate(line.body)
+    except ValidationError as e:
+        raise NotALine(_error(None, e, "body.")) from None
+    try:
+        p = _params(body, settings)
+    except OpenAIError as e:
+        raise NotALine(LineError(None, e.message, e.param and f"body.{e.param}")) from None
+    item, kind = _item(Request(0, line.custom_id, line.url, body, p))
+    return {FIELD[kind]: item, "sampling_params": p.model_dump(mode="json", exclude_defaults=True),
+            "custom_id": line.custom_id}
+
+
 def _params(body, settings: Settings) -> SamplingParams:
     """The line's sampling parameters; OpenAIError for what a line may not ask here."""
     if body.stream:

@@ -265,3 +265,25 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
             p.stop()
         r.close()
         server.stop()
+
+
+def test_a_dataset_of_openai_batch_lines_runs_their_items(api_url, worker, engine):
+    """The lines of an OpenAI batch file as a native dataset: each the chat its body asks,
+    with its max_tokens and temperature, answered as the model answers it; a line this
+    server would not run is named with its body's field."""
+    from test_openai_batch import chat_ids, chat_line
+
+    from worker.engine import SamplingParams
+    texts = ["hi", "why is the sky blue?", "write a poem"]
+    lines = [chat_line(f"o{i}", t, max_tokens=4, temperature=0) for i, t in enumerate(texts)]
+    job = validated(api_url, httpx.post(api_url + "/v1/jobs", json={"input_file_id": upload(api_url, lines)}))
+    got = finished(api_url, job["id"])
+    ref = engine.generate(input_ids=[chat_ids(engine, t) for t in texts],
+                          sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
+    assert [(it["custom_id"], it["samples"][0]["token_ids"]) for it in got] == \
+        [(f"o{i}", x.samples[0].token_ids) for i, x in enumerate(ref)]
+    bad = lines[:1] + [chat_line("s", "x", stream=True), {**chat_line("u", "x"), "url": "/v1/embeddings"}]
+    job = validated(api_url, httpx.post(api_url + "/v1/jobs", json={"input_file_id": upload(api_url, bad)}))
+    assert job["status"] == "failed", job
+    assert [e["loc"] for e in job["errors"]] == [["body", "input_file_id", 2, "body", "stream"],
+                                                 ["body", "input_file_id", 3, "url"]], job["errors"]
