@@ -131,9 +131,11 @@ examples:
   fanout submit prompts.jsonl --stream --temperature 0.7 --metadata team=search --metadata run=7
   fanout submit prompts.jsonl --no-wait --idempotency-key nightly-2026-11-29 --priority low
   fanout submit data.parquet --max-new-tokens 128 --out answers.parquet
+  fanout submit s3://bucket/prefix/data.parquet --out answers.parquet   # read by the API, not sent
 
 """ + BATCH_FILE, cmd_submit)
-    p.add_argument("file", help="batch file, JSONL or Parquet (below)")
+    p.add_argument("file", help="batch file, JSONL or Parquet (below); or the URL of one the API reads "
+                                "itself (s3:// in its blob store, file:// under its FANOUT_INPUT_ROOT)")
     p.add_argument("--url", **url)
     p.add_argument("--api-key", **api_key)
     sampling_flags(p)

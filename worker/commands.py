@@ -162,34 +162,45 @@ def cmd_submit(args) -> None:
 
     from results.client import Client
 
-    body = {**job_body(args.file, args), "priority": args.priority}
+    remote = args.file.startswith(URLS)
+    body = {**(_url_body(args) if remote else job_body(args.file, args)), "priority": args.priority}
     if args.run_at:
         body["run_at"] = args.run_at
     if args.metadata:
         body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
-    spec = job_spec(body, args.file)  # checked here too: a bad file fails before any upload
+    # A local file is checked here too: a bad one fails before any upload. A URL's lines the API checks.
+    spec = None if remote else job_spec(body, args.file)
     key = args.idempotency_key or (None if args.new else submit_key(body))
     # Past a body's default limits (or asked): the items go up as a dataset file instead.
     d = Settings()
-    upload = args.upload or spec.size > d.max_batch or len(json.dumps(body)) > d.max_body_bytes
+    upload = spec is not None and (args.upload or spec.size > d.max_batch or len(json.dumps(body)) > d.max_body_bytes)
     with Client(args.url, api_key=args.api_key) as client:
         job = _submit_dataset(client, body, key) if upload else client.submit(body, idempotency_key=key)
         again = " (submitted before with this file and these flags: following it; --new submits " \
                 "another)" if job.get("replayed") else ""
-        print(f"job {job['id']} ({spec.size} items, seed {job['seed']}){again}", file=sys.stderr)
+        size = f"{spec.size} items" if spec else "items being read by the API"
+        print(f"job {job['id']} ({size}, seed {job['seed']}){again}", file=sys.stderr)
         if args.no_wait:
             _print_json({k: v for k, v in job.items() if k != "replayed"})
             return
-        left = dict(enumerate(p.n for p in spec.sampling_params))
-        bar = tqdm(total=spec.size, unit="row", file=sys.stderr)
-        status = None
+        # Items done: counted from the stream (each once its every sample has ended), or,
+        # for a dataset the API read (its items unknown here) or followed late (entries
+        # gone), the job's own count, looked up at most once a second.
+        left = dict(enumerate(p.n for p in spec.sampling_params)) if spec else None
+        bar = tqdm(total=spec.size if spec else None, unit="row", file=sys.stderr)
+        status, looked = None, 0.0
         for _, entry in client.events(job["id"]):
-            if entry["type"] == "trimmed":  # followed late: the items done meanwhile, from the job
-                bar.update(max(0, client.status(job["id"])["progress"]["done"] - bar.n))
-            elif entry["type"] in ("final", "error"):
-                left[entry["index"]] -= 1
-                if left[entry["index"]] == 0:
-                    bar.update(1)
+            if entry["type"] == "trimmed" or (left is None and (time.monotonic() - looked >= 1
+                                                                or entry["type"] == "status")):
+                looked = time.monotonic()
+                progress = client.status(job["id"])["progress"]
+                bar.total = progress["total"] or bar.total
+                bar.update(max(0, progress["done"] - bar.n))
+            if entry["type"] in ("final", "error"):
+                if left is not None:
+                    left[entry["index"]] -= 1
+                    if left[entry["index"]] == 0:
+                        bar.update(1)
                 if args.stream:
                     # The sample as /results has it (logprobs only when asked).
                     keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
@@ -204,6 +215,16 @@ def cmd_submit(args) -> None:
             raise SystemExit(f"job {job['id']} {info['status']}: {info['error']}")
         if not args.stream:
             batchfile.write_results(client.iter_results(job["id"]), args.out or sys.stdout)
+
+
+URLS = ("s3://", "file://")  # a dataset the API reads itself (api/dataset.py)
+
+
+def _url_body(args) -> dict:
+    """A POST /v1/jobs body naming the dataset at args.file, with the sampling flags."""
+    sp = sampling_from_args(args)
+    seed = sp.pop("seed", None)  # the flags are the shared object: their seed is the job seed
+    return {"input_url": args.file, "sampling_params": sp, **({"seed": seed} if seed is not None else {})}
 
 
 def _submit_dataset(client, body: dict, key: str | None) -> dict:

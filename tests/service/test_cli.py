@@ -179,6 +179,24 @@ def test_submit_upload_sends_a_dataset_and_a_rerun_follows_its_job(tmp_path, api
     assert again.read_text() == out.read_text()
 
 
+def test_submit_a_url_the_api_reads(tmp_path, api_url, worker, input_root, capsys):
+    """`fanout submit file:///...parquet --out x.parquet`: nothing sent but the URL; the
+    results in input order, a bad row (ids outside the vocabulary) failing alone."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    tag = uuid.uuid4().hex
+    ids = [[5, 6, 7], [10 ** 9], [8, 9]]
+    pq.write_table(pa.table({"input_ids": ids, "custom_id": [f"{tag}-{i}" for i in range(3)]}),
+                   input_root / f"{tag}.parquet")
+    out = tmp_path / "answers.parquet"
+    main(["submit", f"file://{input_root}/{tag}.parquet", "--url", api_url, "--max-new-tokens", "2",
+          "--temperature", "0", "--out", str(out)])
+    assert "items being read by the API" in capsys.readouterr().err
+    rows = pq.read_table(out).to_pylist()
+    assert [r["custom_id"] for r in rows] == [f"{tag}-{i}" for i in range(3)]
+    assert [r["samples"][0]["finish_reason"] == "error" for r in rows] == [False, True, False]
+
+
 def test_a_gguf_is_served_by_its_name_without_the_quantization(tmp_path):
     for file, name in (("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
                        ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
