@@ -96,7 +96,8 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
             chunks = files.content(redis, store, req.input_file_id, tenant)
         else:
             chunks = dataset.open_url(req.input_url, settings, store)
-        planned = dataset.plan(_renewing(dataset.rows(chunks), lease), req, settings, builder, int(info["seed"]))
+        records = _renewing(dataset.rows(chunks), lease, redis, job_id)
+        planned = dataset.plan(records, req, settings, builder, int(info["seed"]))
         jobs.create(redis, planned, settings, req.priority, req.run_at, req.metadata, job_id, tenant=tenant,
                     validated=lease)
         log.info("job %s: dataset validated, %d items queued", job_id, len(planned.ns))
@@ -116,10 +117,15 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
     _done(redis, job_id, lease)
 
 
-def _renewing(records, lease: Lease):
+def _renewing(records, lease: Lease, redis, job_id: str):
+    """The records, the lease renewed every RENEW_ROWS of them; a job canceled meanwhile
+    stops the reading there."""
     for i, record in enumerate(records):
-        if i % RENEW_ROWS == 0 and not lease.renew():
-            raise Lost(lease.key)
+        if i % RENEW_ROWS == 0:
+            if not lease.renew():
+                raise Lost(lease.key)
+            if redis.exists(keys.closed(job_id)):
+                raise jobs.Closed(job_id)
         yield record
 
 
