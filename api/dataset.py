@@ -86,17 +86,22 @@ def _chunks(f) -> Iterator[bytes]:
             yield chunk
 
 
-def rows(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes | dict | BatchFileError]]:
-    """A dataset's rows as plan() takes them, (number, the JSONL line, or the Parquet row as
-    an object, or its error): Parquet when it starts as one ("PAR1"; spooled to a temporary
-    file, which Parquet's footer needs, then read ROWS rows at a time), else JSONL."""
+def rows(chunks: Iterable[bytes]) -> tuple[str, Iterator[tuple[int, bytes | dict | BatchFileError]]]:
+    """(the dataset's format, "jsonl" or "parquet"; its rows as plan() takes them: number,
+    the JSONL line, or the Parquet row as an object, or its error). Parquet when it starts
+    as one ("PAR1"; spooled to a temporary file, which Parquet's footer needs, then read
+    ROWS rows at a time), else JSONL."""
     chunks = iter(chunks)
     first = next(chunks, b"")
+    whole = itertools.chain([first], chunks)
     if not first.startswith(PARQUET):
-        yield from enumerate(blobs.lines(itertools.chain([first], chunks)), 1)
-        return
+        return "jsonl", enumerate(blobs.lines(whole), 1)
+    return "parquet", _parquet(whole)
+
+
+def _parquet(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict | BatchFileError]]:
     with tempfile.TemporaryFile(prefix="fanout-dataset-") as f:
-        for chunk in itertools.chain([first], chunks):
+        for chunk in chunks:
             f.write(chunk)
         f.seek(0)
         yield from parquet_rows(f, "the dataset")

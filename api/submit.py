@@ -181,12 +181,14 @@ OUTPUT_PAGE = 1000  # items read at a time for GET /output
                          "Parquet (one row per item: index, custom_id, samples)",
           "content": {"application/jsonl": {}, "application/vnd.apache.parquet": {}}},
     **NOT_FOUND})
-def get_output(job_id: str, request: Request, format: Literal["jsonl", "parquet"] = Query(
-        "jsonl", description="`parquet` needs pyarrow on the API (fanout[parquet])")):
+def get_output(job_id: str, request: Request, format: Literal["jsonl", "parquet"] | None = Query(
+        None, description="default: the dataset's own (a Parquet dataset's job: parquet), else jsonl; "
+                          "`parquet` needs pyarrow on the API (fanout[parquet])")):
     """The whole job's results as one file, read a page at a time from Redis and the blob
     store: complete once the job has ended; while it runs, its unfinished items have no samples."""
     st = _state(request)
     _, info = _info(request, job_id)
+    format = format or info["input_format"] or "jsonl"
 
     def items() -> Iterator[dict]:
         for offset in range(0, len(info["ns"]), OUTPUT_PAGE):

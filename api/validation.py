@@ -96,8 +96,9 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
             chunks = files.content(redis, store, req.input_file_id, tenant)
         else:
             chunks = dataset.open_url(req.input_url, settings, store)
-        records = _renewing(dataset.rows(chunks), lease, redis, job_id)
-        planned = dataset.plan(records, req, settings, builder, int(info["seed"]))
+        form, records = dataset.rows(chunks)
+        redis.hset(keys.info(job_id), "input_format", form)  # its output's default format (GET /output)
+        planned = dataset.plan(_renewing(records, lease, redis, job_id), req, settings, builder, int(info["seed"]))
         jobs.create(redis, planned, settings, req.priority, req.run_at, req.metadata, job_id, tenant=tenant,
                     validated=lease)
         log.info("job %s: dataset validated, %d items queued", job_id, len(planned.ns))

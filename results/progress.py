@@ -84,6 +84,7 @@ def decode(raw: dict) -> dict[str, Any]:
     out: dict[str, Any] = {k: int(d.get(k, 0) or 0) for k in _INTS}
     out["ns"] = Ns.decode(d.get("ns"))
     out["bounds"] = json.loads(d["bounds"]) if "bounds" in d else []  # shard k: items [bounds[k], bounds[k + 1])
+    out["input_format"] = d.get("input_format")  # a dataset job's: "jsonl" or "parquet"
     out["items_in"] = d.get("items_in")  # "store": the job's items (and done shards' results) are in the blob store
     out["metadata"] = json.loads(d["metadata"]) if "metadata" in d else {}
     out["priority"] = d.get("priority", "normal")

@@ -107,7 +107,7 @@ def test_a_parquet_dataset_by_url_comes_out_as_parquet_in_order(api_url, worker,
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
     finished(api_url, job_id)
-    got = httpx.get(f"{api_url}/v1/jobs/{job_id}/output", params={"format": "parquet"})
+    got = httpx.get(f"{api_url}/v1/jobs/{job_id}/output")  # Parquet in: Parquet out
     assert got.status_code == 200 and got.headers["content-type"] == "application/vnd.apache.parquet"
     out = pq.read_table(pa.BufferReader(got.content)).to_pylist()
     assert [(row["index"], row["custom_id"]) for row in out] == [(i, f"p{i}") for i in range(40)]
@@ -117,7 +117,7 @@ def test_a_parquet_dataset_by_url_comes_out_as_parquet_in_order(api_url, worker,
     assert [row["samples"][0]["token_ids"] for i, row in enumerate(out) if i != 13] == \
         [x.samples[0].token_ids for x in ref]
     # The same as JSONL, one item per line as /results pages them.
-    lines = httpx.get(f"{api_url}/v1/jobs/{job_id}/output").text.splitlines()
+    lines = httpx.get(f"{api_url}/v1/jobs/{job_id}/output", params={"format": "jsonl"}).text.splitlines()
     assert [json.loads(x)["custom_id"] for x in lines] == [f"p{i}" for i in range(40)]
     # A bad row of a Parquet file is named as a line is.
     pq.write_table(pa.table({"prompt": ["fine", "", "fine too"]}), input_root / "bad.parquet")
