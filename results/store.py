@@ -83,7 +83,11 @@ def keep(redis, blob_store, job_id: str, ns, k: int, lo: int, hi: int, custom: l
 
 
 def _kept(blob_store, job_id: str, k: int) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in blobs.lines(blob_store.get(keys.results_blob(job_id, k)))]
+    key = keys.results_blob(job_id, k)
+    try:
+        return [json.loads(line) for line in blobs.lines(blob_store.get(key))]
+    except blobs.Missing:  # written before the shard was marked kept: the store lost it
+        raise blobs.StoreError(f"blob store {blob_store.url}: {key} is missing (shard {k}'s results)") from None
 
 
 def _custom_ids(redis, blob_store, job_id: str, info: dict, k: int, lo: int, hi: int) -> list[str | None] | None:
