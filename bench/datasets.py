@@ -44,9 +44,12 @@ TOKENS = 2
 
 
 def dataset(path: str, rows: int) -> None:
+    """Rows of one length in tokens whatever the size (the index zero-padded): the sizes
+    compare the service, not longer prompts."""
     with open(path, "w") as f:
         for i in range(rows):
-            f.write(json.dumps({"prompt": f"row {i}: say something about the number {i}", "custom_id": f"r{i}"}) + "\n")
+            f.write(json.dumps({"prompt": f"row {i:07d}: say something about the number {i:07d}",
+                                "custom_id": f"r{i}"}) + "\n")
 
 
 def hwm_mb(pid: int) -> float:
