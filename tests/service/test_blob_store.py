@@ -212,11 +212,10 @@ def test_a_job_whose_items_cannot_be_read_waits_for_the_store_and_runs_once_it_i
     try:
         # The store refuses connections: each attempt is held (no strike), the job queued
         # with the store's error, for as long as it stays away (past the job's retries).
-        def held(n):
+        def held(n):  # between attempts (each is `running` while its worker tries the store)
             j = httpx.get(f"{url}/v1/jobs/{job['id']}").json()
-            return j["attempt"] >= n and j
-        info = wait_for(lambda: held(4), 4 * (shards.HOLD + 3 * (5 + 30)), "four held attempts", interval=0.5)
-        assert info["status"] == "queued", info
+            return j["attempt"] >= n and j["status"] == "queued" and j
+        info = wait_for(lambda: held(4), 5 * (shards.HOLD + 3 * (5 + 30)), "four held attempts", interval=0.2)
         assert f"blob store s3://{bucket}/tenant-a: cannot read jobs/{job['id']}/items/0.json: unreachable" \
             in info["error"], info
         assert f"tried again every {shards.HOLD} s" in info["error"]
