@@ -379,7 +379,7 @@ class Consumer(Outages, Publishing, BaseWorker):
         self.executions[c.execution.id] = c.execution
         a = Active(c, left={}, remaining=0,
                    deadline=time.monotonic() + (job.timeout if job.timeout and job.timeout > 0 else 1e12))
-        self.active[job.id] = a
+        self.active[a.tag] = a
         try:
             spec = self.retrying(self.read_shard, c)
         except blobs.StoreError as e:  # away, or denying: held, no strike, until it answers again
@@ -409,11 +409,11 @@ class Consumer(Outages, Publishing, BaseWorker):
                 for j in left:
                     self.record(batch, a, index, j, store.sample_record("", [], "error", None, str(e)))
         self.send(batch)
-        if job.id not in self.active:  # dropped: Redis was away longer than the TTL
+        if a.tag not in self.active:  # dropped: Redis was away longer than the TTL
             return
         if todo:
             try:
-                self.engine.add(job.id, todo, todo_params, seed=spec.seed, owner=c.job_id)
+                self.engine.add(a.tag, todo, todo_params, seed=spec.seed, owner=c.job_id)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return

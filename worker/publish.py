@@ -26,7 +26,7 @@ PEEK = 64  # shard ids looked at per queue for a job the engine runs nothing of 
 
 @dataclass(slots=True)
 class Active:
-    """A shard whose requests are in the engine (under the tag of its rq job id)."""
+    """An attempt of a shard whose requests are in the engine, under its own tag."""
     claim: shards.Claim
     left: dict[int, int]  # item index -> samples not finished yet
     remaining: int  # samples to finish in this attempt
@@ -41,7 +41,10 @@ class Active:
 
     @property
     def tag(self) -> str:
-        return self.claim.job.id
+        """The shard's rq job id and this attempt's number: the events of an attempt that was
+        dropped here (reaped meanwhile) or aborted, still on their way out of the engine,
+        never count for a later attempt of the same shard on this worker."""
+        return f"{self.claim.job.id}#{self.claim.attempt}"
 
     @property
     def job_id(self) -> str:
