@@ -2,6 +2,7 @@
 the stored samples), failed (no retries left) or canceled (a cancel was asked) within the
 heartbeat TTL plus a few seconds, and every stream gets its terminal entry. Its own Redis,
 API and workers; the killed worker runs with the default TTL (30 s)."""
+import json
 import signal
 import time
 from collections import Counter
@@ -243,3 +244,48 @@ def test_a_job_that_kills_its_worker_every_time_fails_as_poison(service, model_d
     assert end["status"] == "failed", end
     assert "stopped sending heartbeats" in end["error"] and "failed 3 attempts that stored nothing" in end["error"]
     assert sum(e["type"] == "attempt" for _, e in follow) == 3  # no fourth attempt
+
+
+def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_aborted_sample(model_dir, tmp_path):
+    """A worker whose shard was reaped (it looked dead: a step that outlasted its TTL)
+    drops that attempt, aborting its requests, and, alone, claims the shard again at once.
+    The aborted requests' last events are still on their way out of its engine: they
+    belong to the dropped attempt, and none may count as a finished sample of the new one.
+    The worker is stopped (SIGSTOP: most likely mid-step) while its shard is reaped, three
+    times. (This guards the path; it did not make the code before per-attempt tags fail:
+    the race the million-row benchmark met needs the drop to come in the publish after a
+    long step and the shard to be claimed back before the next step.)"""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import reaper
+    from worker.spec import QUEUE_ORDER
+
+    server = EmbeddedRedis()
+    r = redis_lib.Redis.from_url(server.url)
+    w = WorkerProc(server.url, model_dir, tmp_path, env={"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)})
+    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+    try:
+        w.start()
+        for round_ in range(3):
+            params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+            job_id = jobs.submit(r, JobRequest(prompts=PROMPTS[:4], sampling_params=params), Settings())["id"]
+            wait_for(lambda: any(e["type"] == "delta" for e in entries(r, job_id)), 60, "its samples to stream")
+            w.proc.proc.send_signal(signal.SIGSTOP)
+            try:  # the reap another worker would do, its execution made to look expired
+                for q in queues:
+                    for entry in r.zrange(q.started_job_registry.key, 0, -1):
+                        r.zadd(q.started_job_registry.key, {entry: 1})
+                assert [o for _, _, o in reaper.reap(r, queues, JSONSerializer, 3600, lambda e: None)] == \
+                    ["retried (shard 0)"]
+            finally:
+                w.proc.proc.send_signal(signal.SIGCONT)
+            wait_for(lambda: jobs.status_of(r, job_id)[0] == "succeeded", 120, "the job")
+            assert max(e["attempt"] for e in entries(r, job_id) if e["type"] == "attempt") == 2
+            stored = [json.loads(v) for v in r.hvals(keys.results(job_id))]
+            assert len(stored) == 4 and {(s["finish_reason"], len(s["token_ids"])) for s in stored} == \
+                {("length", 200)}, (round_, [(s["finish_reason"], len(s["token_ids"])) for s in stored])
+    finally:
+        w.stop(signal.SIGKILL)
+        r.close()
+        server.stop()
