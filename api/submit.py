@@ -9,7 +9,6 @@ import json
 import os
 import re
 import tempfile
-import threading
 from typing import Iterator, Literal
 
 import anyio
@@ -120,8 +119,7 @@ def _submit_dataset(st, req: JobRequest, idempotency, tenant) -> dict:
     body = validation.start(st.redis, req, st.settings, tenant, idempotency)
     lease = Lease(st.redis, keys.validation(body["id"]), validation.LEASE)
     if lease.take():  # else a sweep found it first and validates it
-        threading.Thread(target=validation.validate, args=(st.redis, st.blobs, st.settings, body["id"], lease),
-                         daemon=True, name=f"validate-{body['id']}").start()
+        validation.spawn(st.redis, st.blobs, st.settings, body["id"], lease)
     return body
 
 

@@ -118,6 +118,13 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
     _done(redis, job_id, lease)
 
 
+def spawn(redis, store: blobs.Store, settings: Settings, job_id: str, lease: Lease) -> None:
+    """validate() in a thread of this process (a daemon: a process that stops leaves the
+    lease to expire, and another one's sweep starts the validation again)."""
+    threading.Thread(target=validate, args=(redis, store, settings, job_id, lease), daemon=True,
+                     name=f"validate-{job_id}").start()
+
+
 def _renewing(records, lease: Lease, redis, job_id: str):
     """The records, the lease renewed every RENEW_ROWS of them; a job canceled meanwhile
     stops the reading there."""
@@ -166,7 +173,6 @@ def resume_stalled(redis, store: blobs.Store, settings: Settings) -> list[str]:
         if lease.take():
             log.warning("job %s: its validation stopped midway (its API process went away); starting it again",
                         job_id)
-            threading.Thread(target=validate, args=(redis, store, settings, job_id, lease), daemon=True,
-                             name=f"validate-{job_id}").start()
+            spawn(redis, store, settings, job_id, lease)
             resumed.append(job_id)
     return resumed
