@@ -117,7 +117,7 @@ def _submit_dataset(st, req: JobRequest, idempotency, tenant) -> dict:
         chunks = dataset.open_url(req.input_url, st.settings, st.blobs)
         getattr(chunks, "close", lambda: None)()  # read again by the validation
     body = validation.start(st.redis, req, st.settings, tenant, idempotency)
-    lease = Lease(st.redis, keys.validation(body["id"]), validation.LEASE)
+    lease = Lease(st.redis, keys.validation(body["id"]), st.settings.validation_lease)
     if lease.take():  # else a sweep found it first and validates it
         validation.spawn(st.redis, st.blobs, st.settings, body["id"], lease)
     return body

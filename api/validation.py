@@ -7,7 +7,7 @@
          by shard into the blob store (api/dataset.py), then the job filled in and queued
          (jobs.create), or `failed`, its `error` and `errors` naming the lines at fault
 
-The lease (keys.validation, LEASE seconds) is renewed as the lines are read; a process
+The lease (keys.validation, FANOUT_VALIDATION_LEASE seconds) is renewed as the lines are read; a process
 that died midway leaves it to expire, and the sweep of any API process (api/sweep.py)
 starts the validation again from the first line: the layout writes the same objects, and
 the job keeps its id, seed and claim. A job canceled while validating is never queued.
@@ -36,7 +36,6 @@ from .schemas import JobRequest
 from .tenants import OverLimit
 
 log = logging.getLogger("fanout.api")
-LEASE = 30  # seconds a validating API process holds a job between renewals
 RENEW_ROWS = 1000  # rows read between renewals
 
 
@@ -169,7 +168,7 @@ def resume_stalled(redis, store: blobs.Store, settings: Settings) -> list[str]:
         if not redis.exists(keys.info(job_id)):
             redis.srem(keys.validating(), job_id)  # expired
             continue
-        lease = Lease(redis, keys.validation(job_id), LEASE)
+        lease = Lease(redis, keys.validation(job_id), settings.validation_lease)
         if lease.take():
             log.warning("job %s: its validation stopped midway (its API process went away); starting it again",
                         job_id)

@@ -12,8 +12,9 @@ in order, with its custom id (`wrong` lists what is not, [] when all is).
 
 Reported per size: Redis's used_memory peak (sampled every 0.2 s, less the empty
 service's), the API's and the workers' peak RSS (VmHWM, the most of any of their
-processes), rows/s over the run (from the job's creation to its end) and steady rows/s
-(the median over 10 s windows, which leaves the kills out), the seconds of each step.
+processes), rows/s over the run (from the job's creation to its end, its validation
+included: validate_s) and steady rows/s (the median over 10 s windows, which leaves the
+kills out), the seconds of each step.
 Results: stdout and bench/out/datasets.json.
 """
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Service:
         self.base = 0.0
         self.done_at: list[tuple[float, int]] = []  # (time, rows done)
         self.job_id: str | None = None
+        self.validated_at: float | None = None  # when the job left `validating`
         self.stopping = False
 
     def _start(self, args: list[str]) -> subprocess.Popen:
@@ -101,7 +103,10 @@ class Service:
             try:
                 self.peak["redis"] = max(self.peak["redis"], self.r.info("memory")["used_memory"] / 2**20 - self.base)
                 if self.job_id:
-                    self.done_at.append((time.monotonic(), int(self.r.hget(f"fanout:job:{self.job_id}", "done") or 0)))
+                    state, done = self.r.hmget(f"fanout:job:{self.job_id}", "state", "done")
+                    if self.validated_at is None and state not in (None, b"validating"):
+                        self.validated_at = time.monotonic()
+                    self.done_at.append((time.monotonic(), int(done or 0)))
             except redis_lib.RedisError:
                 pass
             self.peak["api"] = max(self.peak["api"], hwm_mb(self.api.pid))
@@ -178,6 +183,7 @@ def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
         job_id = svc.job_id = r.json()["id"]
         out["create_s"] = time.perf_counter() - t
         t = time.perf_counter()
+        started = time.monotonic()
         marks = [rows // 3, 2 * rows // 3] if kill else []
         while True:
             try:
@@ -194,6 +200,7 @@ def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
         out["run_s"] = time.perf_counter() - t
         assert info["status"] == "succeeded", info
         out["rows_per_s"] = rows / out["run_s"]
+        out["validate_s"] = round((svc.validated_at or started) - started, 1)  # of run_s: before any row runs
         out["steady_rows_per_s"] = steady(svc.done_at)
         time.sleep(0.5)  # a last sample of the peaks
         out.update({f"{k}_peak_mb": round(v, 1) for k, v in svc.peak.items()})

@@ -383,7 +383,7 @@ class Consumer(Outages, Publishing, BaseWorker):
         try:
             spec = self.retrying(self.read_shard, c)
         except blobs.StoreError as e:  # away, or denying: held, no strike, until it answers again
-            self.hold(a, f"{e} (the shard waits, tried again every {shards.HOLD} s)")
+            self.hold(a, f"{e} (the shard waits, tried again every {self.settings.shard_hold} s)")
             return
         except Exception as e:  # not a job our API made (or made by another version): no retry
             self.fail(a, f"bad job payload: {_one_line(e)}", retry=False, abort=False)
@@ -461,7 +461,7 @@ class Consumer(Outages, Publishing, BaseWorker):
         return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,
                              self.settings.result_ttl, self.wait_for_redis, error=error,
                              progressed=a.stored > 0, on_pipe=on_pipe,
-                             trim=c.info.get("items_in") == "store")
+                             trim=c.info.get("items_in") == "store", hold=self.settings.shard_hold)
 
     def _keep(self, a: Active):
         """A job that keeps its items in the blob store keeps its done shards' results there
@@ -509,10 +509,10 @@ class Consumer(Outages, Publishing, BaseWorker):
             self.metrics.attempt("canceled")
 
     def hold(self, a: Active, reason: str) -> None:
-        """Queue the shard again shards.HOLD seconds on, no strike: what it needs is away."""
+        """Queue the shard again settings.shard_hold seconds on, no strike: what it needs is away."""
         self._done(a)
         if self._settle(a, shards.HELD, reason) is not None:
-            JobLog(log, a.job_id).warning("shard %d held for %d s: %s", a.claim.k, shards.HOLD, reason)
+            JobLog(log, a.job_id).warning("shard %d held for %d s: %s", a.claim.k, self.settings.shard_hold, reason)
             self.metrics.attempt("held")
 
     def hand_back(self, a: Active, reason: str = "worker shut down; shard handed back") -> None:

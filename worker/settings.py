@@ -37,6 +37,12 @@ class Settings:
     # (sent every third of it); then any worker retries the job, or fails it. Above the
     # longest engine step, or a stalled worker loses its jobs.
     heartbeat_ttl: int = 30
+    # A shard whose inputs are away (the blob store down or denying) is queued again this
+    # many seconds on, no strike, for as long as they stay away.
+    shard_hold: int = 10
+    # An API process validating a dataset job holds it this long (seconds) between renewals;
+    # one that died is replaced by another's sweep once it has run out.
+    validation_lease: int = 30
     # A job is cut into shards of about this many samples (whole items: one with more is a
     # shard of its own) that any worker takes; each job keeps at most `shard_window` of them
     # queued (more are released as workers take them), so jobs of one priority interleave.
@@ -76,6 +82,8 @@ class Settings:
             job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
             heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),
+            shard_hold=_int("FANOUT_SHARD_HOLD", d.shard_hold, least=1),
+            validation_lease=_int("FANOUT_VALIDATION_LEASE", d.validation_lease, least=2),
             shard_samples=_int("FANOUT_SHARD_SAMPLES", d.shard_samples, least=1),
             shard_window=_int("FANOUT_SHARD_WINDOW", d.shard_window, least=1),
             sse_keepalive=_int("FANOUT_SSE_KEEPALIVE", d.sse_keepalive),

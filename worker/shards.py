@@ -15,7 +15,7 @@ for `window` of its shards to be taken, not for all of them).
                                      \\--> canceled  (the job's cancel flag: closes it `canceled`)
                                      \\--> failed    (closes the job `failed`; its other shards stop)
                                      \\--> queued    (handed back, or retried after a failed attempt)
-                                     \\--> scheduled (held: queued again HOLD seconds later)
+                                     \\--> scheduled (held: queued again settings.shard_hold seconds later)
 
 State: keys.shards holds total, window, retries, released, ended, failed (1 once a shard
 failed the job), and per shard
@@ -324,16 +324,14 @@ def _forget(redis, job: Job) -> None:
 
 # Outcomes of settle.
 DONE, CANCELED, FAILED, HANDED_BACK, RETRY, HELD = "done", "canceled", "failed", "handed back", "retry", "held"
-HOLD = 10  # seconds a HELD shard waits before it is queued again
-
 
 def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: str, result_ttl: int,
            on_outage: Callable, error: str | None = None, progressed: bool = False,
            on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None,
-           trim: bool = False) -> str | None:
+           trim: bool = False, hold: int | None = None) -> str | None:
     """End the attempt `execution` of shard k, in one transaction with its outcome:
     DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike), HELD (the
-    same HOLD seconds later: what it needs, e.g. the blob store, is away) or RETRY (queued
+    same `hold` seconds later, given by who holds: what it needs, e.g. the blob store, is away) or RETRY (queued
     again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED once the
     shard has more strikes than the job's retries). Returns the outcome applied
     (RETRY may become FAILED), or None if that attempt no longer held the shard (settled
@@ -381,7 +379,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                     job.started_at = None
                     q = Queue(job.origin, connection=redis, serializer=JSONSerializer)
                     if applied == HELD:  # the workers' schedulers queue it again then (consumer.tick)
-                        q.schedule_job(job, datetime.now(timezone.utc) + timedelta(seconds=HOLD), pipeline=pipe)
+                        q.schedule_job(job, datetime.now(timezone.utc) + timedelta(seconds=hold), pipeline=pipe)
                     else:
                         q.enqueue_job(job, pipeline=pipe, at_front=True)
                     if why:

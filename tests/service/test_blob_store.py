@@ -16,6 +16,9 @@ from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
 
 
+HOLD = 2
+
+
 @pytest.fixture(scope="module")
 def s3_service(s3_server, model_dir, tmp_path_factory):
     """Its own Redis, worker and API, the API's files in a bucket: the API processes of one
@@ -25,7 +28,9 @@ def s3_service(s3_server, model_dir, tmp_path_factory):
     bucket = "fanout-" + uuid.uuid4().hex[:8]
     s3_server.client().create_bucket(Bucket=bucket)
     # Every job's items in the bucket too: its worker reads them from there.
-    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a", "FANOUT_ITEMS_STORE_BYTES": "0"}
+    # A held shard is queued again HOLD s on (10 by default).
+    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/tenant-a", "FANOUT_ITEMS_STORE_BYTES": "0",
+           "FANOUT_SHARD_HOLD": str(HOLD)}
     worker = WorkerProc(server.url, model_dir, logs, env=env)
     worker.start()
     proc, url = start_api(server.url, logs, "api-s3", env=env)
@@ -203,7 +208,6 @@ def test_a_job_whose_items_cannot_be_read_waits_for_the_store_and_runs_once_it_i
 
     import httpx
 
-    from worker import shards
     url, bucket = s3_service["url"], s3_service["bucket"]
     run_at = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=3)).isoformat()
     job = httpx.post(url + "/v1/jobs", json={"prompts": ["a", "b"], "sampling_params": {"max_new_tokens": 2},
@@ -215,15 +219,15 @@ def test_a_job_whose_items_cannot_be_read_waits_for_the_store_and_runs_once_it_i
         def held(n):  # between attempts (each is `running` while its worker tries the store)
             j = httpx.get(f"{url}/v1/jobs/{job['id']}").json()
             return j["attempt"] >= n and j["status"] == "queued" and j
-        info = wait_for(lambda: held(4), 5 * (shards.HOLD + 3 * (5 + 30)), "four held attempts", interval=0.2)
+        info = wait_for(lambda: held(4), 5 * (HOLD + 3 * (5 + 30)), "four held attempts", interval=0.2)
         assert f"blob store s3://{bucket}/tenant-a: cannot read jobs/{job['id']}/items/0.json: unreachable" \
             in info["error"], info
-        assert f"tried again every {shards.HOLD} s" in info["error"]
+        assert f"tried again every {HOLD} s" in info["error"]
     finally:
         s3_server.start()
     # Back: the next attempt reads the items, and the job runs to its end.
     info = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}").json())["status"] in ("succeeded", "failed")
-                    and j, shards.HOLD + 60, "the job to end")
+                    and j, HOLD + 60, "the job to end")
     assert info["status"] == "succeeded" and info["error"] is None and info["progress"]["done"] == 2, info
 
 

@@ -224,18 +224,19 @@ def test_custom_ids_seen_past_memory_go_to_disk(monkeypatch):
 
 def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_path, storage_dir):
     """kill -9 of the API process reading a dataset: the other API process of its Redis
-    starts the validation again once the lease has expired (LEASE, then its next sweep),
-    and the job is laid out once, whole, with its id and seed."""
+    starts the validation again once the lease has expired (FANOUT_VALIDATION_LEASE, then
+    its next sweep), and the job is laid out once, whole, with its id and seed."""
     import signal
 
     import redis as redis_lib
 
-    from api import sweep, validation
+    from api import sweep
     from conftest import start_api
     from worker.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis()
-    env = {"FANOUT_INPUT_ROOT": str(tmp_path)}
+    lease = 5  # seconds (30 by default)
+    env = {"FANOUT_INPUT_ROOT": str(tmp_path), "FANOUT_VALIDATION_LEASE": str(lease)}
     with open(tmp_path / "rows.jsonl", "w") as f:
         for i in range(60_000):
             f.write(json.dumps({"prompt": f"row {i}", "custom_id": f"k{i}"}) + "\n")
@@ -251,12 +252,12 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
         assert httpx.get(f"{other_url}/v1/jobs/{job['id']}").json()["status"] == "validating"
         t0 = time.monotonic()
         info = wait_for(lambda: (j := httpx.get(f"{other_url}/v1/jobs/{job['id']}").json())["status"] != "validating"
-                        and j, validation.LEASE + 2 * sweep.SWEEP + 90, "another API process to finish it")
+                        and j, lease + 2 * sweep.SWEEP + 90, "another API process to finish it")
         took = time.monotonic() - t0
         assert info["status"] == "scheduled" and info["progress"]["total"] == 60_000 and info["seed"] == 9, info
         with open(other.log_path, errors="replace") as log:
             assert "stopped midway (its API process went away); starting it again" in log.read()
-        assert took >= validation.LEASE - 5  # not before the dead one's lease ran out
+        assert took >= lease - 1  # not before the dead one's lease ran out
         page = httpx.get(f"{other_url}/v1/jobs/{job['id']}/results", params={"offset": 59_990, "limit": 10}).json()
         assert [it["custom_id"] for it in page["items"]] == [f"k{i}" for i in range(59_990, 60_000)]
         assert not r.sismember(keys.validating(), job["id"])
