@@ -7,7 +7,7 @@ SIGKILL and started again (at a third of the rows), then the API process (at two
 Then every row is checked through GET /results, a page at a time: answered exactly once,
 in order, with its custom id (`wrong` lists what is not, [] when all is).
 
-    python bench/datasets.py                          # 20,000 and 1,000,000 rows
+    python bench/datasets.py                          # 20,000, 1,000,000, then 20,000 rows again
     python bench/datasets.py --rows 20000,200000 --no-kill
 
 Reported per size: Redis's used_memory peak (sampled every 0.2 s, less the empty
@@ -15,7 +15,10 @@ service's), the API's and the workers' peak RSS (VmHWM, the most of any of their
 processes), rows/s over the run (from the job's creation to its end, its validation
 included: validate_s) and steady rows/s (the median over 10 s windows, which leaves the
 kills out), the seconds of each step.
-Results: stdout and bench/out/datasets.json.
+The sizes run in turn, and a shared machine's speed drifts by 10-15% over minutes (a plain
+matmul loop here: 479-667 per second in 10 s windows), so a size may run twice, before and
+after the others: each larger size's figures are then given as ratios to the mean of the
+smallest size's runs (`vs_smallest`). Results: stdout and bench/out/datasets.json.
 """
 from __future__ import annotations
 
@@ -218,21 +221,34 @@ def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="20000,1000000", help="sizes, comma-separated, run in turn")
+    ap.add_argument("--rows", default="20000,1000000,20000", help="sizes, comma-separated, run in turn")
     ap.add_argument("--no-kill", action="store_true", help="no worker or API killed mid-run")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="fanout-bench-datasets-")
     model = build_tiny_model(os.path.join(work, "llama"), arch="llama")
-    figures = {}
-    for rows in (int(x) for x in args.rows.split(",")):
+    runs = []
+    for i, rows in enumerate(int(x) for x in args.rows.split(",")):
         path = os.path.join(work, f"rows-{rows}.jsonl")
         dataset(path, rows)
-        sub = os.path.join(work, str(rows))
+        sub = os.path.join(work, f"{i}-{rows}")
         os.makedirs(sub)
-        figures[rows] = run(model, path, rows, sub, not args.no_kill)
+        runs.append(run(model, path, rows, sub, not args.no_kill))
         os.unlink(path)
-        print(json.dumps(figures[rows], indent=1), flush=True)
+        print(json.dumps(runs[-1], indent=1), flush=True)
+    figures = {"runs": runs, "vs_smallest": vs_smallest(runs)}
+    print(json.dumps(figures["vs_smallest"], indent=1))
     print("->", save("datasets", figures))
+
+
+RATIOS = ("redis_peak_mb", "api_peak_mb", "worker_peak_mb", "rows_per_s", "steady_rows_per_s")
+
+
+def vs_smallest(runs: list[dict]) -> dict:
+    """Each larger size's figures over the mean of the smallest size's runs."""
+    small = min(r["rows"] for r in runs)
+    base = {k: statistics.mean(r[k] for r in runs if r["rows"] == small) for k in RATIOS}
+    return {str(r["rows"]): {k: round(r[k] / base[k], 2) if base[k] else None for k in RATIOS}
+            for r in runs if r["rows"] != small}
 
 
 if __name__ == "__main__":
