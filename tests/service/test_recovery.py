@@ -254,7 +254,8 @@ def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_abort
     The worker is stopped (SIGSTOP: most likely mid-step) while its shard is reaped, three
     times. (This guards the path; it did not make the code before per-attempt tags fail:
     the race the million-row benchmark met needs the drop to come in the publish after a
-    long step and the shard to be claimed back before the next step.)"""
+    long step and the shard to be claimed back before the next step: the next test replays
+    that interleaving step by step, and fails on the code before.)"""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
@@ -287,5 +288,62 @@ def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_abort
                 {("length", 200)}, (round_, [(s["finish_reason"], len(s["token_ids"])) for s in stored])
     finally:
         w.stop(signal.SIGKILL)
+        r.close()
+        server.stop()
+
+
+def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(model_dir, engine, tmp_path):
+    """The million-row benchmark's race, step by step in one process: a worker's step
+    outlasts its TTL, its shard is reaped and queued again meanwhile; the publish after
+    that step finds it reaped and drops the attempt (its requests aborted: their final
+    `abort` events wait in the engine's outbox), the queue is not empty, so the worker
+    claims the same shard again before its next step. That step hands out the dropped
+    attempt's abort events beside the new attempt's: each is told apart by its attempt's
+    tag, and the job ends with every sample whole (before per-attempt tags, those aborts
+    were stored as the new attempt's samples)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import reaper
+    from worker.consumer import Consumer
+    from worker.spec import QUEUE_ORDER
+
+    server = EmbeddedRedis()
+    settings = Settings(redis_url=server.url, storage_url=f"file://{tmp_path}/blobs")
+    r = redis_lib.Redis.from_url(server.url)
+    w = Consumer(engine, redis_lib.Redis.from_url(server.url), settings, name="in-process")
+    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+    try:
+        params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        job_id = jobs.submit(r, JobRequest(prompts=PROMPTS[:4], sampling_params=params), settings)["id"]
+        w.admit(block=False)
+        assert [a.tag for a in w.active.values()] == [f"{job_id}-0#1"]
+        for _ in range(3):
+            w.publish(engine.step())
+        # A long step: meanwhile another worker's reaper finds the execution expired.
+        events = engine.step()
+        for q in queues:
+            for entry in r.zrange(q.started_job_registry.key, 0, -1):
+                r.zadd(q.started_job_registry.key, {entry: 1})
+        assert [o for _, _, o in reaper.reap(r, queues, JSONSerializer, 3600, lambda e: None)] == ["retried (shard 0)"]
+        w._next_beat = 0.0  # the step outlasted the heartbeat interval: the publish beats first
+        queued, _ = w.publish(events)
+        assert not w.active and queued  # dropped; its shard is queued again
+        w.admit(block=False)  # taken again before the next step, as the run loop does
+        assert [a.tag for a in w.active.values()] == [f"{job_id}-0#2"]
+        tags = set()
+        while engine.has_work():
+            events = engine.step()
+            tags |= {ev.tag for ev in events}
+            w.publish(events)
+        assert tags == {f"{job_id}-0#1", f"{job_id}-0#2"}  # the dropped attempt's aborts came out here
+        assert jobs.status_of(r, job_id)[0] == "succeeded"
+        stored = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.results(job_id)).items()}
+        assert sorted(stored) == ["0:0", "1:0", "2:0", "3:0"]
+        assert {(s["finish_reason"], len(s["token_ids"])) for s in stored.values()} == {("length", 24)}
+        ref = engine.generate(prompts=PROMPTS[:4], sampling_params=SamplingParams(**params))
+        assert [stored[f"{i}:0"]["token_ids"] for i in range(4)] == [it.samples[0].token_ids for it in ref]
+    finally:
+        w.connection.close()
         r.close()
         server.stop()
