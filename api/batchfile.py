@@ -13,8 +13,10 @@ struct, or JSON text). Results in Parquet are one row per item, in input order (
 """
 from __future__ import annotations
 
+import io
 import json
 from typing import Any, Iterable, Iterator
+from urllib.parse import urlparse
 
 FIELDS = {"prompt": "prompts", "input_ids": "input_ids", "messages": "messages"}
 ROWS = 1024  # Parquet rows read, or items written, per batch
@@ -163,12 +165,38 @@ def _row(item: dict) -> dict:
 
 
 def write_results(items: Iterable[dict], out) -> None:
-    """Results items (as /results pages them) to `out`: a path (*.parquet: Parquet, else
-    JSONL) or a text stream (JSONL). Written a batch at a time."""
-    if isinstance(out, str) and is_parquet(out):
+    """Results items (as /results pages them) to `out`: a path or file:// URL, an s3://
+    URL (results.blobs, with the standard AWS_* variables; the object appears once whole,
+    nothing at all if the writing fails), or a text stream (JSONL). A name ending in
+    .parquet is written as Parquet, any other as JSONL. Written a batch at a time."""
+    if isinstance(out, str) and out.startswith("file://"):
+        out = urlparse(out).path
+    if isinstance(out, str) and out.startswith("s3://"):
+        from results import blobs
+
+        url = urlparse(out)
+        folder, _, name = url.path.strip("/").rpartition("/")
+        if not name:
+            raise BatchFileError(f"{out}: name an object (s3://bucket/path/results.jsonl)")
+        with blobs.S3Store(url.netloc, folder).writer(name) as w:
+            _write(items, _Sink(w), is_parquet(name))
+        return
+    if isinstance(out, str):
+        if is_parquet(out):
+            _write(items, out, True)
+        else:
+            with open(out, "w") as f:
+                _write(items, f, False)
+        return
+    _write(items, out, False)
+
+
+def _write(items: Iterable[dict], f, parquet: bool) -> None:
+    """To `f`, a path or file (Parquet), or a text or binary stream (JSONL)."""
+    if parquet:
         pa = _pyarrow()
         schema = _results_schema(pa)
-        with pa.parquet.ParquetWriter(out, schema) as w:
+        with pa.parquet.ParquetWriter(f, schema) as w:
             rows = []
             for item in items:
                 rows.append(_row(item))
@@ -178,10 +206,25 @@ def write_results(items: Iterable[dict], out) -> None:
             if rows:
                 w.write_table(pa.Table.from_pylist(rows, schema=schema))
         return
-    f = open(out, "w") if isinstance(out, str) else out
-    try:
-        for item in items:
-            f.write(json.dumps(item, ensure_ascii=False) + "\n")
-    finally:
-        if isinstance(out, str):
-            f.close()
+    binary = isinstance(f, (io.RawIOBase, io.BufferedIOBase))
+    for item in items:
+        line = json.dumps(item, ensure_ascii=False) + "\n"
+        f.write(line.encode() if binary else line)
+
+
+class _Sink(io.RawIOBase):
+    """A blob writer (results.blobs.Writer) as the binary file pyarrow and _write write to;
+    the writer's own context commits or aborts it."""
+
+    def __init__(self, writer):
+        self.w = writer
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.w.write(bytes(b))
+        return len(b)
+
+    def tell(self) -> int:  # Parquet's footer records offsets; the stream cannot seek
+        return self.w.size

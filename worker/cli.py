@@ -19,6 +19,7 @@ import httpx
 import redis
 
 from api import tenants
+from results.blobs import StoreError
 from results.client import ApiError
 from worker.commands import (cmd_api, cmd_cancel, cmd_cron, cmd_generate, cmd_keys, cmd_results, cmd_status,
                              cmd_submit, cmd_up, cmd_worker)
@@ -156,8 +157,9 @@ examples:
                    f"default past {Settings().max_batch:,} items or {Settings().max_body_bytes >> 20} MiB "
                    "(the API's default limits)")
     p.add_argument("--stream", action="store_true", help="print samples (JSONL) as they finish")
-    p.add_argument("--out", default=None, help="write the results here instead of stdout: JSONL, or "
-                                               "Parquet for a *.parquet path (one row per item, input order)")
+    p.add_argument("--out", "--output", default=None, help="write the results here instead of stdout: "
+                   "a path, or an s3://bucket/key URL (with the AWS_* variables; the object appears "
+                   "once whole); JSONL, or Parquet for a *.parquet name (one row per item, input order)")
     p.add_argument("--no-wait", action="store_true", help="print the job (JSON) and return")
 
     for name, fn, text, example, in (
@@ -171,7 +173,8 @@ examples:
         p.add_argument("--url", **url)
         p.add_argument("--api-key", **api_key)
         if name == "results":
-            p.add_argument("--out", default=None, help="write here instead of stdout")
+            p.add_argument("--out", "--output", default=None, help="write here instead of stdout: a path or an "
+                           "s3://bucket/key URL; Parquet for a *.parquet name")
 
     p = command("keys", "API keys (each one a tenant): create, list, revoke; straight to Redis", """\
 examples:
@@ -209,9 +212,9 @@ example:
 
 # What a user can cause and fix: said in one line, without a traceback. OSError covers a
 # missing file or model folder (and a Hub id that cannot be fetched), ValueError a bad batch
-# file or model config.
+# file or model config, StoreError an s3:// output the bucket does not take.
 USER_ERRORS = (ApiError, httpx.TransportError, redis.ConnectionError, OSError, ValueError,
-               RedisStartError)
+               RedisStartError, StoreError)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -104,6 +104,38 @@ def test_submit_parquet_in_parquet_out_in_row_order_a_bad_row_alone(tmp_path, ap
             assert s["usage"]["completion_tokens"] == 4 and s["error"] is None and s["logprobs"] is None
 
 
+def test_results_written_to_a_bucket_by_the_cli(tmp_path, api_url, worker, s3_server, monkeypatch,
+                                                 capsys):
+    """--output s3://bucket/key: the CLI writes the results from its own machine (AWS_*
+    variables), Parquet or JSONL by the name, as one object; a bucket that does not take it
+    is one line on stderr and leaves nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    s3 = s3_server.client()
+    bucket = "cli-" + uuid.uuid4().hex[:8]
+    s3.create_bucket(Bucket=bucket)
+    prompts = write_lines(tmp_path / "in.jsonl", [{"prompt": f"row {i}", "custom_id": f"c{i}"} for i in range(6)])
+    main(["submit", prompts, "--url", api_url, "--max-new-tokens", "3", "--temperature", "0", "--new",
+          "--output", f"s3://{bucket}/runs/answers.parquet"])
+    job_id = re.search(r"job (\w+)", capsys.readouterr().err).group(1)
+    body = s3.get_object(Bucket=bucket, Key="runs/answers.parquet")["Body"].read()
+    rows = pq.read_table(pa.BufferReader(body)).to_pylist()
+    assert [(r["index"], r["custom_id"]) for r in rows] == [(i, f"c{i}") for i in range(6)]
+    assert all(r["samples"][0]["usage"]["completion_tokens"] == 3 for r in rows)
+    main(["results", job_id, "--url", api_url, "--out", f"s3://{bucket}/answers.jsonl"])
+    lines = s3.get_object(Bucket=bucket, Key="answers.jsonl")["Body"].read().decode().splitlines()
+    assert [json.loads(x)["samples"][0]["token_ids"] for x in lines] == [r["samples"][0]["token_ids"] for r in rows]
+    with pytest.raises(SystemExit) as e:
+        main(["results", job_id, "--url", api_url, "--out", "s3://no-such-bucket-here/answers.jsonl"])
+    assert str(e.value) == ("fanout results: blob store s3://no-such-bucket-here: cannot write answers.jsonl: "
+                            "bucket 'no-such-bucket-here' does not exist")
+    assert sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]) == [
+        "answers.jsonl", "runs/answers.parquet"]
+
+
 def test_submit_run_again_follows_the_job_it_made(tmp_path, api_url, worker, capsys):
     """An interrupted `fanout submit`, run again with the same file and flags, attaches to
     the job it made (a key derived from them) instead of submitting it twice; --new does."""
