@@ -125,8 +125,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
     by publisher.close. A job whose items are in the store already and is not created has
     them swept at once. `validated`: the lease of a dataset job's validation
     (api/validation.py): the job exists, `validating`, and is filled in here, while that
-    lease is held (lease.Lost if not) and the job was not canceled (Closed). Returns
-    the JobCreated body."""
+    lease is held (lease.Lost if not) and the job was not canceled (Closed); it took its
+    in-flight slot when its validation started. Returns the JobCreated body."""
     job_id = job_id or new_id()
     lay, ns, size = planned.lay, planned.ns, len(planned.ns)
     in_store = lay.chunks is None or (store is not None and lay.size > settings.items_store_bytes)
@@ -146,7 +146,7 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
         if run_at:
             info["run_at"] = run_at.isoformat()
         lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
-        slots = keys.inflight(tenant.id) if tenant else None
+        slots = keys.inflight(tenant.id) if tenant and validated is None else None
         claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
         if in_store:
             if lay.chunks is not None:
@@ -158,9 +158,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                 items.store_items(store, job_id, lay)
         listed = keys.jobs(tenant.id if tenant else None)
         info["listed"] = listed  # the status scripts move it between its listing's indexes
-        if tenant:
+        if slots:
             info.update(tenant=tenant.id, slot=slots)
-        max_jobs = tenant.limits.get("jobs_in_flight") if tenant else None
         with redis.pipeline() as pipe:
             while True:
                 if claim:
@@ -177,12 +176,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                     if not validated.held(pipe):
                         pipe.reset()
                         raise Lost(job_id)
-                if max_jobs is not None:
-                    pipe.watch(slots)  # another of the tenant's submits (or a job ending) meanwhile: again
-                    if int(pipe.get(slots) or 0) >= max_jobs:
-                        pipe.reset()
-                        raise OverLimit("jobs_in_flight", f"{max_jobs} jobs queued, scheduled or running: this "
-                                                          "API key's limit (jobs_in_flight)")
+                if slots:
+                    watch_slot(pipe, tenant)
                 pipe.multi()  # rq's enqueue_job expects the transaction opened explicitly
                 info.update(shards.create(pipe, q, job_id, planned.kind, lay, settings, run_at, in_store))
                 if slots:
@@ -216,6 +211,21 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
         raise
     return {"id": job_id, "status": status, "stream": keys.stream(job_id), "seed": planned.seed,
             "items": size}
+
+
+def watch_slot(pipe, tenant: Tenant) -> None:
+    """Before a submit's MULTI: WATCH the tenant's in-flight count (another of its submits,
+    or a job ending, meanwhile: the transaction is tried again), OverLimit if it is at its
+    jobs_in_flight limit. The transaction then INCRs keys.inflight, and the job's info
+    hash names it as its `slot` (given back by publisher.close)."""
+    max_jobs = tenant.limits.get("jobs_in_flight")
+    if max_jobs is None:
+        return
+    pipe.watch(keys.inflight(tenant.id))
+    if int(pipe.get(keys.inflight(tenant.id)) or 0) >= max_jobs:
+        pipe.reset()
+        raise OverLimit("jobs_in_flight", f"{max_jobs} jobs validating, queued, scheduled or running: this "
+                                          "API key's limit (jobs_in_flight)")
 
 
 def _text(v) -> str | None:

@@ -23,7 +23,7 @@ from results import keys
 LIMITS = {
     "items_per_job": "items in one job",
     "tokens_per_job": "tokens one job may generate: the sum over items of n x max_new_tokens",
-    "jobs_in_flight": "jobs queued, scheduled or running at once",
+    "jobs_in_flight": "jobs validating, queued, scheduled or running at once",
     "requests_per_second": "API requests a second, every route (as many at once, then that rate)",
     "file_bytes": "bytes of batch input files kept at once (uploads; deleted or expired ones free theirs)",
 }

@@ -41,7 +41,8 @@ RENEW_ROWS = 1000  # rows read between renewals
 
 def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> dict:
     """The job, `validating`, in one transaction with its idempotency claim (jobs.Claimed if
-    that was taken); returns the JobCreated body. The caller then runs `validate` with the
+    that was taken) and its tenant's in-flight slot (OverLimit at its limit: a job
+    validating counts as one in flight); returns the JobCreated body. The caller then runs `validate` with the
     lease this took."""
     job_id, seed, now = jobs.new_id(), dataset.job_seed(req), time.time()
     listed = keys.jobs(tenant.id if tenant else None)
@@ -49,7 +50,7 @@ def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> di
             "metadata": json.dumps(req.metadata or {}), "created_at": progress.timestamp(), "listed": listed,
             "request": req.model_dump_json(exclude_none=True)}
     if tenant:
-        info["tenant"] = tenant.id
+        info.update(tenant=tenant.id, slot=keys.inflight(tenant.id))
     lasts = settings.job_timeout + settings.result_ttl
     claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
     with redis.pipeline() as pipe:
@@ -61,7 +62,11 @@ def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> di
                     if stored is not None:
                         pipe.reset()
                         raise jobs.Claimed(json.loads(stored))
+                if tenant:
+                    jobs.watch_slot(pipe, tenant)
                 pipe.multi()
+                if tenant:
+                    pipe.incr(keys.inflight(tenant.id))
                 pipe.hset(keys.info(job_id), mapping=info)
                 pipe.xadd(keys.stream(job_id), events.status("validating"))
                 for k in (keys.info(job_id), keys.stream(job_id)):

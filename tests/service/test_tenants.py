@@ -196,6 +196,29 @@ def test_each_limit_answers_429(service):
         assert c.post("/v1/jobs", json={**scheduled, "prompts": ["a"]}).status_code == 202
 
 
+def test_a_dataset_job_holds_its_slot_while_it_validates(service):
+    """A dataset job counts as in flight from its POST: while its lines are being checked a
+    second job is over the limit; a cancel, or a validation that fails, gives the slot back."""
+    key, tenant = service.key(name="datasets", limits={"jobs_in_flight": 1})
+    lines = "".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(30_000))
+    bad = lines + '{"prompt": 7}\n'
+    with http(service.url, key) as c:
+        ids = [c.post("/v1/files", files={"file": ("rows.jsonl", body.encode())}, data={"purpose": "dataset"}
+                      ).json()["id"] for body in (lines, bad)]
+        first = c.post("/v1/jobs", json={"input_file_id": ids[0], "run_at": later()}).json()
+        assert first["status"] == "validating"
+        assert over(c.post("/v1/jobs", json={**JOB, "run_at": later()}), "jobs_in_flight")
+        assert c.get(f"/v1/jobs/{first['id']}").json()["status"] == "validating"  # (it was, at the 429)
+        assert tenants.in_flight(service.redis, tenant.id) == 1
+        assert c.post(f"/v1/jobs/{first['id']}/cancel").json()["status"] == "canceled"
+        assert tenants.in_flight(service.redis, tenant.id) == 0
+        failing = c.post("/v1/jobs", json={"input_file_id": ids[1]}).json()
+        info = wait_for(lambda: (j := c.get(f"/v1/jobs/{failing['id']}").json())["status"] != "validating" and j,
+                        60, "the validation to end")
+        assert info["status"] == "failed" and "line 30001" in info["error"], info
+        assert tenants.in_flight(service.redis, tenant.id) == 0
+
+
 def test_requests_per_second_answers_429(service):
     key, _ = service.key(name="chatty", limits={"requests_per_second": 3})
     with http(service.url, key) as c:
