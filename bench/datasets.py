@@ -69,8 +69,11 @@ class Service:
 
     def __init__(self, model: str, work: str):
         self.redis_server = EmbeddedRedis()
+        # One torch thread per worker (as bench/shards.py): two workers of a thread per core
+        # each would make four threads contend for the two cores.
         self.env = {**os.environ, "REDIS_URL": self.redis_server.url, "PYTHONPATH": ROOT,
-                    "FANOUT_STORAGE_URL": f"file://{work}/blobs", "FANOUT_HEARTBEAT_TTL": "5"}
+                    "FANOUT_STORAGE_URL": f"file://{work}/blobs", "FANOUT_HEARTBEAT_TTL": "5",
+                    "OMP_NUM_THREADS": "1"}
         self.model, self.port = model, free_port()
         self.logs = open(os.path.join(work, "service.log"), "ab")
         self.r = redis_lib.Redis.from_url(self.redis_server.url)

@@ -68,6 +68,74 @@ class Ns:
         return list(self) == list(other)
 
 
+class Bounds:
+    """Shard bounds, shard k holding items [b[k], b[k + 1]), run-length encoded by shard
+    size ([[size, count], ...] in the info hash's `bounds`): a job of one `n` is cut into
+    shards of one size (the last one shorter), two runs however many shards it has, so a
+    claim or a status read parses a few numbers, not one per shard. A sequence of the
+    len(shards) + 1 bounds: b[k] in O(log runs), and bisect works on it."""
+
+    def __init__(self, runs: list[list[int]] | None = None):
+        self.runs: list[list[int]] = []  # [shard size, shards of that size]
+        self.firsts: list[int] = []  # each run's first shard
+        self.offsets: list[int] = []  # and that shard's first item
+        self.shards = self.items = 0
+        for size, count in runs or []:
+            self.add(size, count)
+
+    @classmethod
+    def of(cls, bounds: list[int]) -> "Bounds":
+        out = cls()
+        for lo, hi in zip(bounds, bounds[1:]):
+            out.add(hi - lo)
+        return out
+
+    @classmethod
+    def decode(cls, text: str | None) -> "Bounds":
+        raw = json.loads(text) if text else []
+        if raw and isinstance(raw[0], int):  # written by an earlier version: every bound
+            return cls.of(raw)
+        return cls(raw)
+
+    def encode(self) -> str:
+        return json.dumps(self.runs, separators=(",", ":"))
+
+    def add(self, size: int, count: int = 1) -> None:
+        """`count` more shards of `size` items, after the others."""
+        if self.runs and self.runs[-1][0] == size:
+            self.runs[-1][1] += count
+        else:
+            self.runs.append([size, count])
+            self.firsts.append(self.shards)
+            self.offsets.append(self.items)
+        self.shards += count
+        self.items += size * count
+
+    def __len__(self) -> int:
+        return self.shards + 1
+
+    def __getitem__(self, k: int) -> int:
+        if k < 0:
+            k += self.shards + 1
+        if not 0 <= k <= self.shards:
+            raise IndexError(k)
+        if not self.runs:
+            return 0
+        r = bisect_right(self.firsts, k) - 1
+        return self.offsets[r] + (k - self.firsts[r]) * self.runs[r][0]
+
+    def __iter__(self):
+        yield 0
+        b = 0
+        for size, count in self.runs:
+            for _ in range(count):
+                b += size
+                yield b
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
 def timestamp() -> str:
     """Now, as the info hash's created_at / started_at / ended_at read (UTC, ISO 8601)."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -83,7 +151,7 @@ def decode(raw: dict) -> dict[str, Any]:
          for k, v in raw.items()}
     out: dict[str, Any] = {k: int(d.get(k, 0) or 0) for k in _INTS}
     out["ns"] = Ns.decode(d.get("ns"))
-    out["bounds"] = json.loads(d["bounds"]) if "bounds" in d else []  # shard k: items [bounds[k], bounds[k + 1])
+    out["bounds"] = Bounds.decode(d.get("bounds"))  # shard k: items [bounds[k], bounds[k + 1])
     out["input_format"] = d.get("input_format")  # a dataset job's: "jsonl" or "parquet"
     out["items_in"] = d.get("items_in")  # "store": the job's items (and done shards' results) are in the blob store
     out["metadata"] = json.loads(d["metadata"]) if "metadata" in d else {}

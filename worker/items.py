@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from results import blobs, keys
-from results.progress import Ns
+from results.progress import Bounds, Ns
 
 from .settings import Settings
 from .spec import Cut, JobSpec, plan
@@ -22,7 +22,7 @@ class Layout:
     """A job cut into shards: shard k holds items [bounds[k], bounds[k + 1]), its entries one
     JSON array in chunks[k] (None: they are in the blob store already, Builder); `shared`:
     the sampling parameters all items share, or None."""
-    bounds: list[int]
+    bounds: Bounds
     chunks: list[str] | None
     shared: str | None
 
@@ -40,8 +40,8 @@ def layout(spec: JobSpec, settings: Settings) -> Layout:
     bounds = plan([p.n for p in spec.sampling_params], settings.shard_samples)
     # One array per shard: a shard reads one value, and a 100,000-item job is a few
     # thousand values to send, not 100,000.
-    return Layout(bounds, ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]" for k in range(len(bounds) - 1)],
-                  shared)
+    return Layout(Bounds.of(bounds), ["[" + ",".join(entries[bounds[k]:bounds[k + 1]]) + "]"
+                                      for k in range(len(bounds) - 1)], shared)
 
 
 STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
@@ -69,7 +69,7 @@ class Builder:
 
     def __init__(self, redis, store, job_id: str, samples: int):
         self.redis, self.store, self.job_id = redis, store, job_id
-        self.cut, self.bounds, self.entries, self.count = Cut(samples), [0], [], 0
+        self.cut, self.bounds, self.entries, self.count = Cut(samples), Bounds(), [], 0
         self.ns = Ns()  # the items' samples, as they come
         self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
 
@@ -79,7 +79,7 @@ class Builder:
         in Redis or in this process."""
         if self.cut.add(n):
             self._flush()
-            self.bounds.append(self.count)
+            self.bounds.add(self.count - self.bounds.items)
         if custom_id is not None:
             entry = entry[:-1] + ',"c":' + json.dumps(custom_id) + "}"
         self.entries.append(entry)
@@ -87,7 +87,7 @@ class Builder:
         self.count += 1
 
     def _flush(self) -> None:
-        k = len(self.bounds) - 1
+        k = self.bounds.shards  # the shard being written
         if k % self.DUE_EVERY == 0:
             self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, k, k + self.DUE_EVERY):
                                                time.time() + blobs.ORPHAN})
@@ -106,9 +106,10 @@ class Builder:
                 f.result()
         finally:
             self.pool.shutdown(cancel_futures=True)
-        return Layout(self.bounds + [self.count], None, None)
+        self.bounds.add(self.count - self.bounds.items)
+        return Layout(self.bounds, None, None)
 
     def abandon(self) -> None:
         """Given up (an invalid line): no more writes, and those made swept at once."""
         self.pool.shutdown(cancel_futures=True)
-        self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, 0, len(self.bounds)): 0})
+        self.redis.zadd(keys.blobs_due(), {keys.due_job(self.job_id, 0, self.bounds.shards + 1): 0})

@@ -179,7 +179,7 @@ def create(pipe, q: Queue, job_id: str, kind: str, lay: Layout, settings: Settin
             q.schedule_job(job, run_at, pipeline=pipe)
         else:
             q.enqueue_job(job, pipeline=pipe)
-    fields = {"kind": kind, "bounds": json.dumps(lay.bounds), "shards": total}
+    fields = {"kind": kind, "bounds": lay.bounds.encode(), "shards": total}
     if in_store:
         fields["items_in"] = "store"
     if lay.shared is not None:
@@ -222,7 +222,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
         _forget(redis, job)
         untake(redis, job.id)
         return None
-    bounds, ns = json.loads(info["bounds"]), progress.Ns.decode(info["ns"])
+    bounds, ns = progress.Bounds.decode(info["bounds"]), progress.Ns.decode(info["ns"])
     lo, hi = bounds[k], bounds[k + 1]
     stored = store.stored(redis, job_id, ns, lo, hi)
     run, counters = keys.running(job_id), keys.shards(job_id)
@@ -419,7 +419,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
 
 
 def _items(redis, job_id: str, k: int) -> str:
-    bounds = json.loads(redis.hget(keys.info(job_id), "bounds"))
+    bounds = progress.Bounds.decode(_text(redis.hget(keys.info(job_id), "bounds")))
     return f"{bounds[k]}-{bounds[k + 1] - 1}"
 
 
@@ -435,7 +435,7 @@ def progressed(redis, job_id: str, k: int) -> bool:
     info = _info(redis, job_id)
     if raw is None or info is None:
         return False
-    bounds, ns = json.loads(info["bounds"]), progress.Ns.decode(info["ns"])
+    bounds, ns = progress.Bounds.decode(info["bounds"]), progress.Ns.decode(info["ns"])
     return len(store.stored(redis, job_id, ns, bounds[k], bounds[k + 1])) > json.loads(raw)["stored"]
 
 
