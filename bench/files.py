@@ -8,10 +8,13 @@ and, with --vs, another one (e.g. the commit before the blob store) side by side
 
 Each checkout gets a Redis, a worker and an API process of its own, started from its own
 code, the same tiny random-weight model (built offline), and the same file: one
-/v1/chat/completions line per request, a ~300-character question, max_tokens 1. Reported:
+/v1/chat/completions line per request, a ~300-character question, max_tokens 1, sent and
+read with the official `openai` client (files.create, batches.create and retrieve,
+files.content streamed), as a user would. Reported:
 the file's size; Redis's used_memory after the upload and once the output file has been
-read (less the empty service's), and its peak; the API process's peak RSS (VmHWM); the
-seconds for each step. Results: stdout and bench/out/files.json.
+read (less the empty service's), and its peak; the bytes of the files' keys in Redis
+(their metadata: the files themselves are in the blob store); the API process's peak RSS
+(VmHWM); the seconds for each step. Results: stdout and bench/out/files.json.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
+import openai  # noqa: E402
 import redis as redis_lib  # noqa: E402
 
 from bench.out_file import save  # noqa: E402
@@ -79,27 +83,30 @@ def run(root: str, model: str, path: str, lines: int, work: str) -> dict:
             time.sleep(0.2)
         base, _ = used_mb(r)
         out = {"file_mb": os.path.getsize(path) / 2**20}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
         t = time.perf_counter()
         with open(path, "rb") as f:
-            file_id = http.post("/v1/files", files={"file": ("in.jsonl", f)}, data={"purpose": "batch"}).json()["id"]
+            file_id = client.files.create(file=f, purpose="batch").id
         out["upload_s"] = time.perf_counter() - t
         out["redis_after_upload_mb"] = used_mb(r)[0] - base
         t = time.perf_counter()
-        b = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
-                                           "completion_window": "24h"}).json()
-        while b["status"] not in ("completed", "failed", "expired", "cancelled"):
+        b = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        while b.status not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(0.5)
-            b = http.get(f"/v1/batches/{b['id']}").json()
+            b = client.batches.retrieve(b.id)
         out["batch_s"] = time.perf_counter() - t
-        assert b["status"] == "completed" and b["request_counts"]["completed"] == lines, b
+        assert b.status == "completed" and b.request_counts.completed == lines, b
         t = time.perf_counter()
-        got = 0
-        with http.stream("GET", f"/v1/files/{b['output_file_id']}/content") as resp:
+        got, n = set(), 0
+        with client.files.with_streaming_response.content(b.output_file_id) as resp:
             for line in resp.iter_lines():
-                got += bool(line)
+                if line:
+                    got.add(json.loads(line)["custom_id"])
+                    n += 1
         out["download_s"] = time.perf_counter() - t
-        assert got == lines, got
+        assert n == lines and got == {f"q{i}" for i in range(lines)}, (n, len(got))  # every line, once
         now, peak = used_mb(r)
+        out["redis_files_bytes"] = sum(r.memory_usage(k) or 0 for k in r.scan_iter("fanout:file*"))
         out.update(redis_after_batch_mb=now - base, redis_peak_mb=peak - base, api_peak_rss_mb=peak_rss_mb(api.pid))
         return out
     finally:
