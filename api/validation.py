@@ -7,10 +7,10 @@
          by shard into the blob store (api/dataset.py), then the job filled in and queued
          (jobs.create), or `failed`, its `error` and `errors` naming the lines at fault
 
-The lease (keys.validation, FANOUT_VALIDATION_LEASE seconds) is renewed as the lines are read; a process
-that died midway leaves it to expire, and the sweep of any API process (api/sweep.py)
-starts the validation again from the first line: the layout writes the same objects, and
-the job keeps its id, seed and claim. A job canceled while validating is never queued.
+The lease (keys.validation, FANOUT_VALIDATION_LEASE seconds) is renewed as the lines are
+read; a process that died midway leaves it to expire, and the sweep of any API process
+(api/sweep.py) starts the validation again from the first line: the layout writes the same
+objects, and the job keeps its id, seed and claim. A job canceled while validating is never queued.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ RENEW_ROWS = 1000  # rows read between renewals
 def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> dict:
     """The job, `validating`, in one transaction with its idempotency claim (jobs.Claimed if
     that was taken) and its tenant's in-flight slot (OverLimit at its limit: a job
-    validating counts as one in flight); returns the JobCreated body. The caller then runs `validate` with the
-    lease this took."""
+    validating counts as one in flight); returns the JobCreated body. The caller then runs
+    `validate` with the lease this took."""
     job_id, seed, now = jobs.new_id(), dataset.job_seed(req), time.time()
     listed = keys.jobs(tenant.id if tenant else None)
     info = {"state": "validating", "total": 0, "samples": 0, "seed": seed, "priority": req.priority,

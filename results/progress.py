@@ -42,14 +42,15 @@ class Ns:
     def encode(self) -> str:
         return json.dumps(self.runs, separators=(",", ":"))
 
-    def append(self, n: int) -> None:
+    def append(self, n: int, count: int = 1) -> None:
+        """`count` more items of `n` samples each, after the others."""
         if self.runs and self.runs[-1][0] == n:
-            self.runs[-1][1] += 1
+            self.runs[-1][1] += count
         else:
-            self.runs.append([n, 1])
+            self.runs.append([n, count])
             self.starts.append(self.size)
-        self.size += 1
-        self.samples += n
+        self.size += count
+        self.samples += n * count
 
     def __len__(self) -> int:
         return self.size
@@ -69,17 +70,16 @@ class Ns:
 
 
 class Bounds:
-    """Shard bounds, shard k holding items [b[k], b[k + 1]), run-length encoded by shard
-    size ([[size, count], ...] in the info hash's `bounds`): a job of one `n` is cut into
-    shards of one size (the last one shorter), two runs however many shards it has, so a
-    claim or a status read parses a few numbers, not one per shard. A sequence of the
-    len(shards) + 1 bounds: b[k] in O(log runs), and bisect works on it."""
+    """Shard bounds, shard k holding items [b[k], b[k + 1]), kept as the shards' sizes
+    run-length encoded (an Ns of items per shard; [[size, count], ...] in the info hash's
+    `bounds`): a job of one `n` is cut into shards of one size (the last one shorter), two
+    runs however many shards it has, so a claim or a status read parses a few numbers, not
+    one per shard. A sequence of the shards + 1 bounds: b[k] in O(log runs), and bisect
+    works on it."""
 
     def __init__(self, runs: list[list[int]] | None = None):
-        self.runs: list[list[int]] = []  # [shard size, shards of that size]
-        self.firsts: list[int] = []  # each run's first shard
-        self.offsets: list[int] = []  # and that shard's first item
-        self.shards = self.items = 0
+        self.sizes = Ns()  # sizes.starts: each run's first shard
+        self.offsets: list[int] = []  # each run's first item
         for size, count in runs or []:
             self.add(size, count)
 
@@ -98,18 +98,21 @@ class Bounds:
         return cls(raw)
 
     def encode(self) -> str:
-        return json.dumps(self.runs, separators=(",", ":"))
+        return self.sizes.encode()
+
+    @property
+    def shards(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def items(self) -> int:
+        return self.sizes.samples
 
     def add(self, size: int, count: int = 1) -> None:
         """`count` more shards of `size` items, after the others."""
-        if self.runs and self.runs[-1][0] == size:
-            self.runs[-1][1] += count
-        else:
-            self.runs.append([size, count])
-            self.firsts.append(self.shards)
-            self.offsets.append(self.items)
-        self.shards += count
-        self.items += size * count
+        if not self.sizes.runs or self.sizes.runs[-1][0] != size:
+            self.offsets.append(self.items)  # a new run starts here
+        self.sizes.append(size, count)
 
     def __len__(self) -> int:
         return self.shards + 1
@@ -119,18 +122,17 @@ class Bounds:
             k += self.shards + 1
         if not 0 <= k <= self.shards:
             raise IndexError(k)
-        if not self.runs:
+        if not self.offsets:
             return 0
-        r = bisect_right(self.firsts, k) - 1
-        return self.offsets[r] + (k - self.firsts[r]) * self.runs[r][0]
+        r = bisect_right(self.sizes.starts, k) - 1
+        return self.offsets[r] + (k - self.sizes.starts[r]) * self.sizes.runs[r][0]
 
     def __iter__(self):
         yield 0
         b = 0
-        for size, count in self.runs:
-            for _ in range(count):
-                b += size
-                yield b
+        for size in self.sizes:
+            b += size
+            yield b
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other)

@@ -325,13 +325,14 @@ def _forget(redis, job: Job) -> None:
 # Outcomes of settle.
 DONE, CANCELED, FAILED, HANDED_BACK, RETRY, HELD = "done", "canceled", "failed", "handed back", "retry", "held"
 
+
 def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: str, result_ttl: int,
            on_outage: Callable, error: str | None = None, progressed: bool = False,
            on_pipe: Callable | None = None, watch: tuple = (), still: Callable | None = None,
            trim: bool = False, hold: int | None = None) -> str | None:
     """End the attempt `execution` of shard k, in one transaction with its outcome:
     DONE, CANCELED, FAILED, HANDED_BACK (queued again at the front, no strike), HELD (the
-    same `hold` seconds later, given by who holds: what it needs, e.g. the blob store, is away) or RETRY (queued
+    same `hold` seconds later: what it needs, e.g. the blob store, is away) or RETRY (queued
     again; a strike unless the attempt `progressed`, i.e. stored samples; FAILED once the
     shard has more strikes than the job's retries). Returns the outcome applied
     (RETRY may become FAILED), or None if that attempt no longer held the shard (settled
