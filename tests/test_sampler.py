@@ -282,12 +282,15 @@ def test_bad_logits_shape_is_named():
 
 
 def test_uniform_at_columns_is_the_whole_rows_value():
+    """seeded_uniform_at hashes in int64, seeded_uniform in int32 lanes, in blocks of
+    columns: every value equal, at a real vocabulary's width and over several blocks."""
     from worker.engine.sampler import _col_keys, seeded_uniform_at
-    V = 3000
-    seeds, steps = [7, 2**40 + 3, 0], [0, 11, 99]
-    cols = torch.randint(0, V, (3, 50))
+    V = 49152
+    seeds = [7, 2**40 + 3, 0, 2**64 - 1] + [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(60)]
+    steps = [0, 11, 99, 2**31 + 1] + list(range(60))
     whole = seeded_uniform(seeds, steps, V)
-    assert torch.equal(seeded_uniform_at(seeds, steps, cols, _col_keys(V, "cpu")), whole.gather(1, cols))
+    cols = torch.arange(V).expand(len(seeds), V)
+    assert torch.equal(seeded_uniform_at(seeds, steps, cols, _col_keys(V, "cpu")), whole)
 
 
 def test_filtered_rows_decided_among_candidates_draw_what_the_whole_vocabulary_gives():

@@ -15,7 +15,7 @@ from .grammar import Masks
 from .req import Req
 
 _M32 = 0xFFFFFFFF
-_HASH_BLOCK = 1 << 18  # int64 values per block of seeded_uniform on a CPU (2 MiB)
+_HASH_BLOCK = 1 << 19  # int32 values per block of seeded_uniform on a CPU (2 MiB)
 PROMPT_BLOCK = 256  # rows per log_softmax of prompt logprobs (50 MB at a 49k vocabulary)
 # Top tokens a top-k / top-p row is decided among, when its kept set fits in them: tried in
 # turn (a nucleus of thousands of tokens is common on a small model), then the vocabulary.
@@ -39,12 +39,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _i32(c: int) -> int:
+    """The int32 with the bits of the 32-bit value c."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
 def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """_mix32 in place, tmp (same shape) as scratch: no temporaries allocated."""
+    """_mix32 in place on int32 tensors holding the values' 32 bits (half the bytes and twice
+    the SIMD lanes of int64): the products wrap modulo 2**32 as the hash wants, and a right
+    shift is made logical by masking off the sign's copies. tmp (same shape): scratch."""
     for shift, c in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
-        x.mul_(c).bitwise_and_(_M32)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+        torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (32 - shift)) - 1)
+        x.bitwise_xor_(tmp).mul_(_i32(c))
+    torch.bitwise_right_shift(x, 16, out=tmp).bitwise_and_(0xFFFF)
+    return x.bitwise_xor_(tmp)
 
 
 def _row_keys(seeds: list[int], steps: list[int], device) -> torch.Tensor:
@@ -66,21 +74,23 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
     """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
     if col_keys is None:
         col_keys = _col_keys(vocab_size, device)
-    k = _row_keys(seeds, steps, device)[:, None]
+    # The same hash as _mix32 over int64, on the values' 32 bits in int32 (_mix32_).
+    k = _row_keys(seeds, steps, device).to(torch.int32)[:, None]
+    col_keys = col_keys.to(torch.int32)
     out = torch.empty(k.shape[0], vocab_size, dtype=torch.float32, device=k.device)
     # On a CPU, in blocks of columns small enough for the cache, in place: the hash is some
-    # twenty passes over [B, V] int64, which done whole stream from memory (~8x slower).
+    # twenty passes over [B, V], which done whole stream from memory (~8x slower).
     cols = max(1, _HASH_BLOCK // max(1, k.shape[0])) if k.device.type == "cpu" else vocab_size
-    h = torch.empty(k.shape[0], min(cols, vocab_size), dtype=torch.int64, device=k.device)
+    h = torch.empty(k.shape[0], min(cols, vocab_size), dtype=torch.int32, device=k.device)
     tmp = torch.empty_like(h)
     for s in range(0, vocab_size, cols):
         n = min(cols, vocab_size - s)
         hb, tb = h[:, :n], tmp[:, :n]
         _mix32_(torch.bitwise_xor(k, col_keys[None, s:s + n], out=hb), tb)
         # Second, non-xor round: rows are not xor-shifts of each other.
-        _mix32_(hb.add_(k).bitwise_and_(_M32), tb)
+        _mix32_(hb.add_(k), tb)
         # 23 bits + 0.5 is exact in float32, so u is never 0 or 1.
-        out[:, s:s + n] = hb.bitwise_right_shift_(9)
+        out[:, s:s + n] = hb.bitwise_right_shift_(9).bitwise_and_((1 << 23) - 1)
     return out.add_(0.5).mul_(1.0 / (1 << 23))
 
 
