@@ -135,7 +135,9 @@ def run_ours(engine, work, n):
     return dt, sched.prefill_tokens_total + sched.decode_tokens_total - before, got
 
 
-def run_hf(model, work, n, batch, pad):
+def run_hf(model, work, n, batch, pad, temperature=1.0, outputs=None):
+    """Static batches of `batch` prompts; sampled at `temperature` when n > 1. `outputs`, if
+    given, gets each sequence's tokens asked for, in order (n per prompt)."""
     t = time.perf_counter()
     computed = logit_rows = 0
     for i in range(0, len(work), batch):
@@ -146,11 +148,14 @@ def run_hf(model, work, n, batch, pad):
         new = max(o for _, o in chunk)
         computed += n * len(chunk) * (width + new - 1)
         logit_rows += n * len(chunk) * new  # generate keeps one prefill row per sequence
-        # Sampling as ours: temperature 1, no top-k/top-p (generation_config may set them).
-        sample = dict(top_k=0, top_p=1.0, temperature=1.0) if n > 1 else {}
+        # Sampling as ours: no top-k/top-p (generation_config may set them).
+        sample = dict(top_k=0, top_p=1.0, temperature=temperature) if n > 1 else {}
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           num_return_sequences=n, pad_token_id=pad, do_sample=n > 1, **sample)
+            seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                  min_new_tokens=new, num_return_sequences=n, pad_token_id=pad,
+                                  do_sample=n > 1, **sample)
+        if outputs is not None:
+            outputs += [seqs[k, width:width + chunk[k // n][1]].tolist() for k in range(len(seqs))]
     return time.perf_counter() - t, computed, logit_rows
 
 

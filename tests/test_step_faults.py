@@ -42,8 +42,8 @@ def innocents():
     return items
 
 
-def engine(path):
-    return Engine(path, max_prefill_tokens=CHUNK)
+def engine(path, overlap=False):
+    return Engine(path, max_prefill_tokens=CHUNK, overlap_schedule=overlap)
 
 
 def reference(path, items):
@@ -100,8 +100,9 @@ def final(evs):
     return ev
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("where", ["sampler", "forward"])
-def test_poisoned_request_fails_alone(llama_path, monkeypatch, caplog, where):
+def test_poisoned_request_fails_alone(llama_path, monkeypatch, caplog, where, overlap):
     caplog.set_level(logging.ERROR, "fanout.engine")
     good = innocents()
     want = reference(llama_path, good)
@@ -112,7 +113,7 @@ def test_poisoned_request_fails_alone(llama_path, monkeypatch, caplog, where):
     else:  # n = 2: its warm-up fails in a later prefill chunk, after earlier chunks were cached
         bad = [(ids(FAR + 5, 7) + [MARKER] + ids(4, 8), SamplingParams(max_new_tokens=10, n=2, seed=17))]
         culprits, kind, made = [(3, 0), (3, 1)], "RuntimeError", 0
-    eng = engine(llama_path)
+    eng = engine(llama_path, overlap)
     failed = poison(eng, monkeypatch, where)
     got = run(eng, good[:3] + bad + good[3:])
 

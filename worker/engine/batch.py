@@ -114,15 +114,18 @@ class ScheduleBatch:
     extend_lens: list[int]
     out_cache_loc: list[torch.Tensor]  # slot tensors, concatenated in request order (decodes in one)
 
+    def subset(self, idx, req_to_token: torch.Tensor) -> ScheduleBatch:
+        """Requests idx of the batch, each keeping the slots allocated to it: positions
+        [kv_len, kv_len + n) of its row."""
+        reqs, lens = [self.reqs[i] for i in idx], [self.extend_lens[i] for i in idx]
+        assert all(r.alloc_len == r.kv_len + n for r, n in zip(reqs, lens))
+        return ScheduleBatch(reqs, lens, [req_to_token[r.req_pool_idx, r.kv_len:r.kv_len + n]
+                                          for r, n in zip(reqs, lens)])
+
     def halves(self, req_to_token: torch.Tensor) -> tuple[ScheduleBatch, ScheduleBatch]:
-        """The batch in two, for running again as two steps (fault isolation). Each half keeps
-        the slots allocated to its requests: positions [kv_len, kv_len + n) of their rows."""
-        assert all(r.alloc_len == r.kv_len + n for r, n in zip(self.reqs, self.extend_lens))
-        locs = [req_to_token[r.req_pool_idx, r.kv_len:r.kv_len + n]
-                for r, n in zip(self.reqs, self.extend_lens)]
-        m = len(self.reqs) // 2
-        return (ScheduleBatch(self.reqs[:m], self.extend_lens[:m], locs[:m]),
-                ScheduleBatch(self.reqs[m:], self.extend_lens[m:], locs[m:]))
+        """The batch in two, for running again as two steps (fault isolation)."""
+        m, n = len(self.reqs) // 2, len(self.reqs)
+        return self.subset(range(m), req_to_token), self.subset(range(m, n), req_to_token)
 
     def needs_logits(self, i: int) -> bool:
         r = self.reqs[i]

@@ -39,6 +39,10 @@ class EngineConfig:
                                           "prefill")
     enable_prefix_cache: bool = _knob(True, "share computed prompt prefixes between requests "
                                             "(radix cache)")
+    overlap_schedule: bool = _knob(False, "run each step's forward and sampling on a thread "
+                                          "while the engine's thread turns the previous step's "
+                                          "tokens into events (detokenizing, stop strings, "
+                                          "logprobs); the same outputs either way")
     attention_backend: str = _knob("auto", "auto (triton on CUDA, torch elsewhere), torch or "
                                            "triton")
     cuda_graph: bool = _knob(True, "capture decode steps in CUDA graphs (CUDA with the triton "

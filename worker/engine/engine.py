@@ -5,10 +5,18 @@ The worker drives it with add / step / abort; `generate` is the offline call bui
 the same steps. One step: Front.feed (chat items whose images are loaded) ->
 Scheduler.schedule -> Executor.run (forward + sample) -> Scheduler.process (apply, finish)
 -> Front.collect (events).
+
+Overlap (EngineConfig.overlap_schedule): the forward and sampling of step N run on a thread
+while this thread collects step N-1 (detokenizing, stop strings, events), so that work hides
+behind the forward. A step's events therefore come out with the next step; a request that
+N-1's stop strings end still runs in N, and N's token for it is dropped (Scheduler.process);
+the samples of an n > 1 prompt join a step later. Tokens are the same either way: draws
+depend on (seed, position) only.
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -27,7 +35,7 @@ from .models.loader import load_tokenizer, resolve_model_path
 from .req import Req
 from .sampler import Sampler
 from .sampling_params import SamplingParams, per_item
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepResult
 
 log = logging.getLogger("fanout.engine")
 
@@ -75,6 +83,9 @@ class Engine:
                            ChatEncoder(self.tokenizer, vision, cfg.image_sources,
                                        TextBound(self.tokenizer, self.max_context),
                                        DecodeBudget(cfg.image_memory)), cfg.image_memory)
+        self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="fanout-forward")
+                          if cfg.overlap_schedule else None)
+        self._uncollected: StepResult | None = None  # overlap: the step whose events are due
 
     # -- step-level interface (the worker drives these) --------------------------
 
@@ -102,10 +113,13 @@ class Engine:
         try:  # free until something raises
             # Chat items whose images are loaded join (a step with nothing else to run
             # waits a little for them).
-            self.front.feed(block=not self.scheduler.has_work())
+            self.front.feed(block=not self.scheduler.has_work() and self._uncollected is None)
             batch = self.scheduler.schedule()
-            run = self.executor.run(batch) if batch is not None else RunOutput()
-            self.front.collect(self.scheduler.process(run))
+            if self._forwards is None:
+                run = self.executor.run(batch) if batch is not None else RunOutput()
+                self.front.collect(self.scheduler.process(run))
+            else:
+                self._overlapped(batch)
         except EngineError:
             raise
         except Exception as e:
@@ -113,13 +127,32 @@ class Engine:
             # fan-in): batch building or KV bookkeeping, whose state is now in doubt.
             raise EngineError(f"engine step failed: {type(e).__name__}: {e}") from e
 
+    def _overlapped(self, batch) -> None:
+        """Step N's forward on the thread, step N-1's fan-in here meanwhile (module doc)."""
+        job = None
+        if batch is not None:
+            job = self._forwards.submit(self.executor.forward, self.executor.prepare(batch))
+        if self._uncollected is not None:
+            self.front.collect(self._uncollected)
+            self._uncollected = None
+        run = RunOutput()
+        if job is not None:
+            try:  # free until something raises
+                run = RunOutput([job.result()])
+            except Exception as e:
+                exc = e  # isolated outside this handler, so later faults are not chained to it
+            if not run.outputs:
+                run = self.executor.recover(batch, exc)
+        result = self.scheduler.process(run)
+        self._uncollected = result if result.tokens or result.finished else None
+
     def abort(self, tag: object) -> int:
         """Abort every request of tag; their KV is freed now. Returns how many."""
         return self.front.abort(tag)
 
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or self.front.has_events() or len(self.front.intake) > 0
-                or len(self.front.text) > 0)
+                or len(self.front.text) > 0 or self._uncollected is not None)
 
     def has_room(self) -> bool:
         """Worth taking another shard now: the scheduler has room (samples waiting for their

@@ -68,6 +68,7 @@ class Scheduler:
         self.starved: Counter = Counter()  # owner -> its waiting requests within its share
         self.prefill_tokens_total = 0  # tokens run through prefill (warm-up savings show here)
         self.decode_tokens_total = 0
+        self.dropped_tokens = 0  # sampled for requests that ended while their step ran (overlap)
 
     def add(self, req: Req) -> None:
         self.by_rid[req.rid] = req
@@ -247,15 +248,21 @@ class Scheduler:
         for out in run.outputs:
             self._commit(out, tokens)
         for r, e in run.failed:
+            if r.finished:  # ended by the fan-in that ran beside this step (overlap)
+                continue
             log.error("request %s failed alone in an engine step; it ends with an error",
                       r.rid, exc_info=e)
             self.finish(r, "error", step_error(e))
         return StepResult(tokens, self.take_finished())
 
     def _commit(self, out: BatchOutput, tokens: list[tuple[Req, int]]) -> None:
-        """KV lengths, prompt logits and sampled tokens of one batch; finishes."""
+        """KV lengths, prompt logits and sampled tokens of one batch; finishes. A request
+        that ended while the batch ran (overlap: a stop string found by the previous step's
+        fan-in, its KV released then) takes nothing from it."""
         batch = out.batch
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if r.finished:
+                continue
             if n == 1 and r.output_ids:
                 self.decode_tokens_total += 1
             else:
@@ -271,6 +278,9 @@ class Scheduler:
             if complete and len(r.output_ids) >= r.params.max_new_tokens:
                 self.finish(r, "length")  # prefill only: nothing to sample
         for j, r in enumerate(out.sampled):
+            if r.finished:
+                self.dropped_tokens += 1
+                continue
             tok = out.samples.token_ids[j]
             r.output_ids.append(tok)
             if r.params.logprobs:
