@@ -166,8 +166,16 @@ class KVManager:
         return _cdiv(req.alloc_len, self.ps) - req.prefix_len // self.ps
 
     def check(self, live: list[Req]) -> None:
-        """The invariant: free + cached + in use == total."""
+        """The invariants: free + cached + in use == total; and a request's positions lie in
+        whole pages, position p at offset p % page_size of its page (the attention backends
+        gather KV by pages)."""
         self.cache.check()
+        for r in live:
+            if r.req_pool_idx is not None and r.alloc_len:
+                row = self.table[r.req_pool_idx, :r.alloc_len].cpu()
+                pos = torch.arange(r.alloc_len)
+                assert (row[::self.ps] % self.ps == 0).all() and torch.equal(
+                    row, row[pos - pos % self.ps] + pos % self.ps), f"{r.rid}: KV slots not in pages"
         in_use = sum(self.private_pages(r) for r in live if r.req_pool_idx is not None)
         total = self.alloc.num_free + self.cache.cached_pages + in_use
         assert total == self.alloc.total, (

@@ -19,6 +19,7 @@ from .attention.base import make_backend
 from .batch import ForwardBatch, ForwardMode
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, batch_sizes
+from .host_memory import keep_freed_blocks
 from .kv_pool import KVPool, ReqToTokenPool
 from .models.loader import load_model, resolve_dtype
 
@@ -56,6 +57,8 @@ class ModelRunner:
                 log.warning("CUDA graphs off: the %s attention backend cannot be captured",
                             type(self.attn).__name__)
         self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        if self.device.type == "cpu":
+            keep_freed_blocks()  # activations reused from the heap, not page-faulted anew
         if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.model.pack_weights()  # measured in fp32 only (oneDNN fp16 needs AVX512-FP16)
         self.kv: KVPool | None = None  # set by attach_kv
