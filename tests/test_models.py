@@ -49,10 +49,12 @@ class Session:
                          dtype, "cpu")
         self.rtt = ReqToTokenPool(8, 256, "cpu")
         self.attn = TorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        # Scattered, distinct slots outside the scratch page, so a slot mix-up shows.
+        # Scattered, distinct pages outside the scratch page, so a slot mix-up shows; within
+        # a page, position p at offset p % page_size, as the KV manager lays them out (the
+        # torch backend gathers by pages).
         g = torch.Generator().manual_seed(1)
-        perm = torch.randperm(self.kv.num_slots - page_size, generator=g)
-        self.free = (perm + page_size).tolist()
+        self.free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+        self.ps = page_size
         self.rows, self.lens = [], []
 
     def add(self):
@@ -66,7 +68,11 @@ class Session:
         seq = [p + n for p, n in zip(prefix, ext)]
         out_loc, positions = [], []
         for row, p, n in zip(self.rows, prefix, ext):
-            slots = [self.free.pop() for _ in range(n)]
+            slots = []
+            for pos in range(p, p + n):
+                if pos % self.ps == 0:  # a new page
+                    self.rtt.table[row, pos] = self.free.pop() * self.ps
+                slots.append(int(self.rtt.table[row, pos - pos % self.ps]) + pos % self.ps)
             self.rtt.table[row, p:p + n] = torch.tensor(slots)
             out_loc += slots
             positions += range(p, p + n)

@@ -95,8 +95,25 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate: torch.Tensor | None = None  # packed halves of gate_up_proj (pack())
+        self.up: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Gate and up as two prepacked matmuls with oneDNN's fused epilogues, SiLU after the
+        gate's and the product after the up's, instead of one matmul and then two elementwise
+        passes over its [T, 2 * intermediate] output (a 2,048-token chunk of SmolLM2: the
+        MLP's first half 58 -> 48 ms on 2 cores). oneDNN's SiLU differs from torch's by a few
+        ulps (2e-6 here). Without a bias only, which no supported checkpoint has."""
+        if self.gate_up_proj.bias is not None:
+            return
+        gate, up = self.gate_up_proj.weight.chunk(2)
+        self.gate, self.up = pack(gate), pack(up)
+        self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            g = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
+            return self.down_proj(torch.ops.mkldnn._linear_pointwise.binary(x, g, self.up, None, "mul"))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -155,6 +172,8 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Every matmul from a prepacked weight (see the module docstring); tied embeddings
         get a packed copy for the lm_head, the lookup keeps the dense table."""
+        for m in [m for m in self.modules() if isinstance(m, MLP)]:
+            m.pack()  # first: it takes gate_up_proj apart
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()

@@ -1,0 +1,215 @@
+"""One engine of bench/peers.py, in its own process (vLLM and llama.cpp live in venvs of
+their own): it loads the model once, then runs each workload it is sent and times only
+the generation.
+
+    python bench/peer_worker.py ENGINE MODEL [--threads N]
+
+ENGINE is fanout (fanout-overlap: with overlap_schedule), transformers, vllm or llamacpp; MODEL the GGUF file (fanout, llamacpp) or
+the fp32 Hugging Face folder (transformers, vllm). Protocol, one JSON object a line:
+stdin {"prompts": [[ids], ...], "max_new_tokens": M, "n": N, "temperature": T, "seed": S};
+stdout first {"ready": true, ...} once loaded, then per workload {"seconds": s, "outputs":
+[[ids of each sample] per prompt], "rss_mb": peak}. Every output runs to M tokens with EOS
+masked until then (transformers' min_new_tokens; the same mask everywhere, so greedy outputs
+compare token for token); greedy when T == 0. Nothing cached survives from one workload to
+the next.
+
+Only the standard library is imported at the top: each engine's own package is imported by
+its runner, in the venv that has it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_BATCH = 16  # transformers: static batches of this many prompts, as bench/engine.py runs it
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process and its live children (vLLM's engine core is
+    one), from /proc."""
+    pids, total = [os.getpid()], 0.0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+class Fanout:
+    overlap = False
+
+    def __init__(self, model: str, threads: int):
+        sys.path.insert(0, ROOT)
+        import torch
+        from worker.engine import Engine, SamplingParams
+        torch.set_num_threads(threads)
+        self.sp = SamplingParams
+        self.engine = Engine(model, device="cpu", dtype="float32", overlap_schedule=self.overlap)
+
+    def run(self, prompts, m, n, temperature, seed):
+        self.engine.flush_cache()
+        out = self.engine.generate(input_ids=prompts, seed=seed, sampling_params=self.sp(
+            max_new_tokens=m, min_new_tokens=m, n=n, temperature=temperature, ignore_eos=True))
+        return [[s.token_ids for s in item.samples] for item in out]
+
+
+class FanoutOverlap(Fanout):
+    overlap = True
+
+
+class Transformers:
+    def __init__(self, model: str, threads: int):
+        sys.path.insert(0, ROOT)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.pad = AutoTokenizer.from_pretrained(model).pad_token_id or 0
+
+    def run(self, prompts, m, n, temperature, seed):
+        import torch
+        from bench.engine import run_hf
+        torch.manual_seed(seed)
+        outputs: list = []
+        run_hf(self.model, [(p, m) for p in prompts], n, HF_BATCH, self.pad, temperature, outputs)
+        return [outputs[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+class Vllm:
+    def __init__(self, model: str, threads: int):
+        # Both cores for the model (vLLM's default reserves one for its front end).
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm import LLM, SamplingParams
+        self.sp = SamplingParams
+        # A 2 GiB KV cache, as Fanout's default on a CPU (vLLM's would take 92% of the memory).
+        self.llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0,
+                       kv_cache_memory_bytes=2 << 30)
+
+    def run(self, prompts, m, n, temperature, seed):
+        self.llm.reset_prefix_cache()
+        sp = self.sp(n=n, temperature=temperature, max_tokens=m, min_tokens=m, ignore_eos=True,
+                     seed=seed)
+        out = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [[list(c.token_ids) for c in r.outputs] for r in out]
+
+
+class LlamaCpp:
+    """llama.cpp's own batch API: every sequence in one unified KV cache, all running
+    sequences decoded together each step; n > 1 prefills the prompt once and copies the
+    sequence (llama_memory_seq_cp); sampling in C (EOS masked by a logit bias, then greedy, or
+    temperature and a seeded draw)."""
+    CTX, BATCH, SEQS = 32768, 2048, 64
+
+    def __init__(self, model: str, threads: int):
+        import llama_cpp as L
+        self.L = L
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(model.encode(), L.llama_model_default_params())
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = self.CTX, self.BATCH, 512, self.SEQS
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.kv_unified = True
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        self.batch = L.llama_batch_init(self.BATCH, 0, 1)
+
+    def _sampler(self, temperature, seed):
+        L = self.L
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        vocab = L.llama_model_get_vocab(self.model)
+        eos = (L.llama_logit_bias * 1)(L.llama_logit_bias(L.llama_vocab_eos(vocab), float("-inf")))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_logit_bias(L.llama_vocab_n_tokens(vocab), 1, eos))
+        if temperature == 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        else:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(temperature))
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))
+        return chain
+
+    def _decode(self, rows):
+        """rows: (token, pos, seq, wants logits), at most BATCH. Returns the batch index of
+        each row that wants logits, in order."""
+        b, L = self.batch, self.L
+        b.n_tokens = 0
+        idx = []
+        for tok, pos, seq, logits in rows:
+            i = b.n_tokens
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+            if logits:
+                idx.append(i)
+            b.n_tokens += 1
+        if L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        return idx
+
+    def run(self, prompts, m, n, temperature, seed):
+        L = self.L
+        mem = L.llama_get_memory(self.ctx)
+        L.llama_memory_clear(mem, True)
+        if len(prompts) * n > self.SEQS:
+            raise ValueError(f"at most {self.SEQS} sequences")
+        seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]  # seq id = position here
+        samplers = [self._sampler(temperature, seed + k) for k in range(len(seqs))]
+        outs = [[] for _ in seqs]
+        # Prefill each prompt once (sequence of its first sample), in chunks of BATCH tokens;
+        # the last token's logits give every sample of it its first token.
+        rows = [(t, p, i * n, p == len(ids) - 1) for i, ids in enumerate(prompts)
+                for p, t in enumerate(ids)]
+        for a in range(0, len(rows), self.BATCH):
+            chunk = rows[a:a + self.BATCH]
+            for bi, (_, _, seq, _) in zip(self._decode(chunk), [r for r in chunk if r[3]]):
+                i = seq // n
+                for j in range(1, n):
+                    L.llama_memory_seq_cp(mem, seq, seq + j, -1, -1)
+                for j in range(n):
+                    outs[seq + j].append(L.llama_sampler_sample(samplers[seq + j], self.ctx, bi))
+        for step in range(1, m):
+            rows = [(outs[k][-1], len(prompts[i]) + step - 1, k, True) for k, (i, _) in enumerate(seqs)]
+            for bi, k in zip(self._decode(rows), range(len(seqs))):
+                outs[k].append(L.llama_sampler_sample(samplers[k], self.ctx, bi))
+        for s in samplers:
+            L.llama_sampler_free(s)
+        return [outs[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "transformers": Transformers, "vllm": Vllm, "llamacpp": LlamaCpp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("engine", choices=sorted(ENGINES))
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    # The protocol gets its own copy of stdout; fd 1 then goes to stderr, so the engines'
+    # own prints (and their child processes') stay off it.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    t = time.perf_counter()
+    engine = ENGINES[args.engine](args.model, args.threads)
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": peak_rss_mb()}),
+          file=out, flush=True)
+    for line in sys.stdin:
+        w = json.loads(line)
+        t = time.perf_counter()
+        outputs = engine.run(w["prompts"], w["max_new_tokens"], w["n"], w["temperature"], w["seed"])
+        dt = time.perf_counter() - t
+        print(json.dumps({"seconds": dt, "outputs": outputs, "rss_mb": peak_rss_mb()}), file=out,
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
