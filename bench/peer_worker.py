@@ -28,16 +28,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_BATCH = 16  # transformers: static batches of this many prompts, as bench/engine.py runs it
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process and its live children (vLLM's engine core is
-    one), from /proc."""
-    pids, total = [os.getpid()], 0.0
+def _children(pid: int) -> list[int]:
+    out = []
     try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                pids += [int(p) for p in f.read().split()]
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
     except OSError:
         pass
+    return out
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process and its live descendants (vLLM's engine core and
+    its workers are such), from /proc."""
+    pids, total, i = [os.getpid()], 0.0, 0
+    while i < len(pids):
+        pids += _children(pids[i])
+        i += 1
     for pid in pids:
         try:
             with open(f"/proc/{pid}/status") as f:
