@@ -120,10 +120,9 @@ class Executor:
     @staticmethod
     def _scored(r: Req, n: int) -> tuple[int, int, list[int]]:
         """The rows [lo, hi) of r's n new tokens whose logits score a prompt token, and those
-        tokens: position
-        p's row scores prompt token p + 1, for the positions past those r has (a chunk
-        recomputed after a retraction) and before the prompt's last (whose row samples the
-        first token)."""
+        tokens: position p's row scores prompt token p + 1, for the positions past those r
+        has (a chunk recomputed after a retraction) and before the prompt's last (whose row
+        samples the first token)."""
         have, end = len(r.prompt_logprobs), len(r.input_ids) - 1
         lo, hi = max(r.kv_len, have), min(r.kv_len + n, end)
         if hi <= lo:
