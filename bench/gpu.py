@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -62,7 +63,8 @@ FULL = dict(
     decode_lens=[1, 17, 300, 1024, 3000], extend=([0, 100, 2000, 0], [1000, 1, 300, 64]),
     greedy_prompts=12, greedy_len=(16, 300), greedy_new=(16, 32),
     step_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256], step_ctx=1024, long_point=(256, 4096),
-    step_iters=30, items=256, hf_batch=64, copy_bytes=2**31)
+    step_iters=30, items=256, hf_batch=64, copy_bytes=2**31,
+    overhead_sizes=[8, 64, 256], overhead_new=48)
 DRY = dict(
     model=dict(arch="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                intermediate_size=128, vocab_size=512, max_context=1024, tie_word_embeddings=True),
@@ -71,7 +73,8 @@ DRY = dict(
     decode_lens=[1, 19, 70], extend=([0, 13, 40], [70, 1, 5]),
     greedy_prompts=3, greedy_len=(5, 40), greedy_new=(4, 8),
     step_sizes=[1, 2, 3], step_ctx=32, long_point=(3, 64),
-    step_iters=2, items=3, hf_batch=2, copy_bytes=2**26)
+    step_iters=2, items=3, hf_batch=2, copy_bytes=2**26,
+    overhead_sizes=[2, 3], overhead_new=6)
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 2e-2)}
 
 
@@ -313,6 +316,53 @@ def decode_steps(engine, cfg, env, dev):
     return dict(weight_bytes=weights, kv_bytes_per_token=per_token, rows=rows)
 
 
+def step_overhead(engine, cfg, vocab, dev):
+    """The share of a decode step outside the model forward (scheduling, batch building,
+    sampling, fan-in, events), serial and with overlap_schedule: medians over the steps
+    that decode every running request, at each batch size; the greedy tokens of both ways
+    compared."""
+    runner, spent = engine.runner, {}
+    forward = runner.forward
+
+    def timed_forward(fb):  # on the forward thread under overlap: its own clock
+        t = time.perf_counter()
+        try:
+            return forward(fb)
+        finally:
+            sync(dev)
+            if fb.mode == ForwardMode.DECODE:
+                spent["decode"] = spent.get("decode", 0.0) + time.perf_counter() - t
+    runner.forward = timed_forward
+    rows, tokens = [], {}
+    try:
+        for overlap in (False, True):
+            engine.config.overlap_schedule = overlap
+            for bs in cfg["overhead_sizes"]:
+                engine.flush_cache()
+                work = prompts(bs, cfg["step_ctx"] // 2, cfg["step_ctx"], vocab, seed=bs)
+                box = []
+                engine.add("overhead", [(i, None, ids) for i, ids in enumerate(work)],
+                           SamplingParams(max_new_tokens=cfg["overhead_new"], temperature=0,
+                                          ignore_eos=True), sink=box.append)
+                steps = []
+                while engine.has_work():
+                    spent.clear()
+                    t = time.perf_counter()
+                    engine.step()
+                    if "decode" in spent and len(engine.scheduler.running) == bs:
+                        steps.append((time.perf_counter() - t, spent["decode"]))
+                tokens[(overlap, bs)] = sorted((e.index, e.token_ids) for e in box if e.finished)
+                step = statistics.median(s for s, _ in steps)
+                fwd = statistics.median(f for _, f in steps)
+                rows.append(dict(overlap=overlap, bs=bs, steps=len(steps), step_ms=step * 1e3,
+                                 forward_ms=fwd * 1e3, not_forward=max(0.0, 1 - fwd / step)))
+    finally:
+        runner.forward = forward
+        engine.config.overlap_schedule = False
+    same = all(tokens[(True, bs)] == tokens[(False, bs)] for bs in cfg["overhead_sizes"])
+    return dict(rows=rows, same_tokens=same)
+
+
 @torch.no_grad()
 def run_hf(hf, work, batch, dev) -> float:
     """transformers generate in static chunks of `batch`, left-padded (as bench/engine.py)."""
@@ -416,8 +466,9 @@ PAIRS = ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf")
 
 def correct(res) -> bool:
     k, g, v = res.get("kernels"), res.get("greedy"), res.get("vision")
+    o = res.get("step_overhead")
     return bool(k and all(r["ok"] for r in k) and g and all(g[p]["mismatch"] == 0 for p in PAIRS)
-                and v and v["exact"] == v["chats"])
+                and v and v["exact"] == v["chats"] and o and o["same_tokens"])
 
 
 def table(res) -> str:
@@ -465,6 +516,14 @@ def table(res) -> str:
             row(f"| {r['bs']} | {r['ctx']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
                 f"{r['speedup']:.2f}x | {r['bytes'] / 1e6:.0f} | {r['graph_bw'] / 1e12:.3f} | "
                 f"{r['frac_peak']:.0%} |")
+    if "step_overhead" in res:
+        o = res["step_overhead"]
+        lines += ["", f"Decode steps outside the forward (greedy tokens with overlap = serial: "
+                      f"{o['same_tokens']}):", "",
+                  "| overlap | batch | step ms | forward ms | not forward |", "|---|---|---|---|---|"]
+        for r in o["rows"]:
+            row(f"| {'on' if r['overlap'] else 'off'} | {r['bs']} | {r['step_ms']:.2f} | "
+                f"{r['forward_ms']:.2f} | {r['not_forward']:.1%} |")
     if res["errors"]:
         lines += ["", "Errors: " + "; ".join(f"{k}: {v.strip().splitlines()[-1]}"
                                              for k, v in res["errors"].items())]
@@ -539,6 +598,7 @@ def main(argv=None) -> int:
         engine.runner.graphs = state["graphs"]
         if "env" in res:
             section("decode_steps", lambda: decode_steps(engine, cfg, res["env"], dev))
+        section("step_overhead", lambda: step_overhead(engine, cfg, vocab, dev))
         section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
     section("vision", lambda: vision_check(dev, model_dir + "-vl"))
     res["targets"] = targets(res)

@@ -33,13 +33,17 @@ def test_gpu_script_dry_run(tmp_path):
     assert [(r["bs"], r["ctx"]) for r in steps] == [(1, 32), (2, 32), (3, 32), (3, 64)]
     assert all(r["eager_ms"] > 0 and r["graph_ms"] > 0 and r["bytes"] > res["decode_steps"]["weight_bytes"]
                for r in steps)
+    o = res["step_overhead"]
+    assert o["same_tokens"] and [(r["overlap"], r["bs"]) for r in o["rows"]] == [
+        (False, 2), (False, 3), (True, 2), (True, 3)]
+    assert all(r["steps"] > 0 and 0 <= r["not_forward"] < 1 and r["forward_ms"] > 0 for r in o["rows"])
     tp = res["throughput"]
     assert tp["out_tokens"] > 0 and tp["ours_tok_s"] > 0 and tp["hf_tok_s"] > 0
     assert res["startup"]["graph_sizes"][0] == 1 and not res["startup"]["captured"]
     assert set(res["targets"]) == {"graph_speedup_bs1", "large_batch_bw_frac", "throughput_vs_hf"}
     assert res["vision"] == {"chats": 4, "images": [0, 1, 2, 3], "exact": 4}
     table = (out / "gpu.md").read_text()
-    assert "dry run" in table and "| batch | context |" in table
+    assert "dry run" in table and "| batch | context |" in table and "| overlap | batch |" in table
 
 
 def test_greedy_adjudication_catches_a_wrong_token(tiny_models):

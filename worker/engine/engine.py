@@ -83,8 +83,7 @@ class Engine:
                            ChatEncoder(self.tokenizer, vision, cfg.image_sources,
                                        TextBound(self.tokenizer, self.max_context),
                                        DecodeBudget(cfg.image_memory)), cfg.image_memory)
-        self._forwards = (ThreadPoolExecutor(1, thread_name_prefix="fanout-forward")
-                          if cfg.overlap_schedule else None)
+        self._forwards: ThreadPoolExecutor | None = None  # overlap's thread, made when first used
         self._uncollected: StepResult | None = None  # overlap: the step whose events are due
 
     # -- step-level interface (the worker drives these) --------------------------
@@ -115,7 +114,10 @@ class Engine:
             # waits a little for them).
             self.front.feed(block=not self.scheduler.has_work() and self._uncollected is None)
             batch = self.scheduler.schedule()
-            if self._forwards is None:
+            if not self.config.overlap_schedule:  # (may be switched between steps)
+                if self._uncollected is not None:
+                    self.front.collect(self._uncollected)
+                    self._uncollected = None
                 run = self.executor.run(batch) if batch is not None else RunOutput()
                 self.front.collect(self.scheduler.process(run))
             else:
@@ -131,6 +133,8 @@ class Engine:
         """Step N's forward on the thread, step N-1's fan-in here meanwhile (module doc). A
         fault in preparing or running the batch is isolated as in a serial step."""
         job, exc = None, None
+        if self._forwards is None:
+            self._forwards = ThreadPoolExecutor(1, thread_name_prefix="fanout-forward")
         if batch is not None:
             try:  # free until something raises
                 job = self._forwards.submit(self.executor.forward, self.executor.prepare(batch))
