@@ -115,9 +115,7 @@ class Engine:
             self.front.feed(block=not self.scheduler.has_work() and self._uncollected is None)
             batch = self.scheduler.schedule()
             if not self.config.overlap_schedule:  # (may be switched between steps)
-                if self._uncollected is not None:
-                    self.front.collect(self._uncollected)
-                    self._uncollected = None
+                self._collect_due()
                 run = self.executor.run(batch) if batch is not None else RunOutput()
                 self.front.collect(self.scheduler.process(run))
             else:
@@ -141,9 +139,7 @@ class Engine:
             except Exception as e:
                 exc = e
         try:
-            if self._uncollected is not None:
-                self.front.collect(self._uncollected)
-                self._uncollected = None
+            self._collect_due()
         finally:  # the forward never outlives the step, whatever happened here
             if job is not None:
                 try:
@@ -156,6 +152,12 @@ class Engine:
             run = RunOutput()
         result = self.scheduler.process(run)
         self._uncollected = result if result.tokens or result.finished else None
+
+    def _collect_due(self) -> None:
+        """Fan in the step an overlapped step left for the next one, if any."""
+        if self._uncollected is not None:
+            due, self._uncollected = self._uncollected, None
+            self.front.collect(due)
 
     def abort(self, tag: object) -> int:
         """Abort every request of tag; their KV is freed now. Returns how many."""

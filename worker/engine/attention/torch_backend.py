@@ -155,11 +155,10 @@ class TorchBackend(AttentionBackend):
     def _shared(self, q, kp, vp, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
         """kp, vp: the layer's pools, a row a page."""
         r, L = q.shape[0], g.length
-        p = g.prefix.shape[0] * (kp.shape[1] // (Hkv * D))
         # The common prefix: every query of the group against it, unmasked.
         qs = q.view(r, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, r * G, D)
-        kx = kp.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        vx = vp.index_select(0, g.prefix).view(p, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        kx = kp.index_select(0, g.prefix).view(-1, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vx = vp.index_select(0, g.prefix).view(-1, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
         o1, l1 = _flash_cpu(qs, kx, vx, scale=self.scale)
         o1 = o1.view(Hkv, r, G, D).transpose(0, 1)
         l1 = l1.view(Hkv, r, G).transpose(0, 1)
