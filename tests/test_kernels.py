@@ -1,11 +1,17 @@
-"""Triton kernels (in the interpreter on a CPU) against their torch references, and the Triton
-attention backend against the torch backend. Shapes stay tiny: the interpreter is slow."""
+"""Triton kernels (in the interpreter on a CPU) against their torch references, the Triton
+attention backend against the torch backend, and the CPU decode kernel (C) against the torch
+path. Shapes stay tiny: the interpreter is slow."""
+import logging
+import os
+import shutil
+
 import pytest
 import torch
 
 from worker.engine.attention.torch_backend import TorchBackend
 from worker.engine.attention.triton_backend import TritonBackend
 from worker.engine.batch import ForwardBatch, ForwardMode
+from worker.engine.kernels import cpu_decode
 from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref
@@ -101,10 +107,9 @@ def test_bad_input_names_the_field():
         store_kv(kb[:3], kb[:3], kb, kb, two)
 
 
-def _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, gen, pad_rows=0):
+def _forward_batch(mode, prefix_lens, extend_lens, page_size, dtype, gen, pad_rows=0, hkv=2, d=32):
     """A hand-built batch over a 2-layer pool whose prefix slots hold random KV. Padded rows
     (as a CUDA graph pads a decode batch) have seq_len 1 on a zero row: scratch slot 0."""
-    hkv, d = 2, 32
     kv = KVPool(2, SLOTS // page_size, page_size, hkv, d, dtype, "cpu")
     for buf in kv.k + kv.v:
         buf.copy_(torch.randn(buf.shape, generator=gen))
@@ -169,10 +174,74 @@ def test_shared_prefix_decode_equals_plain(dtype):
         fb.req_to_token[r, :p] = fb.req_to_token[rows[0], :p]
     q = torch.randn(4, 4, 32, generator=gen).to(dtype)
     k, v = (torch.randn(4, 2, 32, generator=gen).to(dtype) for _ in range(2))
-    be = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32)
+    be = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32, cpu_kernel=False)  # groups: torch's
     plain = _run(be, fb, q, k, v)
     fb.shared = [SharedGroup([0, 1, 2, 3], p)]
     fb.attn_meta = be.prepare(fb)
     assert fb.attn_meta.shared and not fb.attn_meta.dec  # the grouped path really ran
     shared = be.forward(q, k, v, 1, fb)
     torch.testing.assert_close(shared, plain, **TOL[dtype])
+
+
+HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 20), (16, 1, 16)])
+def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
+    """Decode rows of lengths around the kernel's 32-key blocks, beside extend rows (which stay
+    on the torch path), two rows borrowing a third's first slots as from the radix cache."""
+    gen = torch.Generator().manual_seed(7)
+    prefix_lens, extend_lens = [0, 30, 31, 32, 95, 12, 40, 40], [1, 1, 1, 1, 1, 9, 1, 1]
+    fb = _forward_batch(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, torch.float32,
+                        gen, hkv=hkv, d=d)
+    rows = fb.req_pool_indices.tolist()
+    for r in rows[6:]:
+        fb.req_to_token[r, :32] = fb.req_to_token[rows[4], :32]
+    T = fb.num_tokens
+    q = torch.randn(T, hq, d, generator=gen)
+    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
+    assert kernel.kernel is not None, "a C compiler is here, so the kernel must build"
+    pools = [(buf.clone()) for buf in fb.kv.k + fb.kv.v]
+    out = _run(kernel, fb, q, k, v)
+    assert fb.attn_meta.kernel is not None and len(fb.attn_meta.kernel.rows) == 7
+    for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
+        buf.copy_(saved)
+    ref = _run(plain, fb, q, k, v)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_kernel_only_for_fp32():
+    gen = torch.Generator().manual_seed(8)
+    fb = _forward_batch(ForwardMode.DECODE, [5, 40], [1, 1], 16, torch.float16, gen)
+    be = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32)
+    assert be.kernel is not None
+    fb.attn_meta = be.prepare(fb)
+    assert fb.attn_meta.kernel is None and fb.attn_meta.dec  # the fp16 pool: torch's path
+    be16 = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16)
+    assert be16.kernel is None and be16.uses_shared_prefixes  # torch's flash kernel groups them
+
+
+def test_cpu_kernel_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    """No compiler, or one that fails: no kernel (the torch path runs), said once in the log;
+    with a compiler, the build is cached under its hash and not redone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    caplog.set_level(logging.WARNING, "fanout.engine")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_decode._build() is None
+    assert "no-such-cc --version failed" in caplog.text
+    monkeypatch.setenv("CC", shutil.which("false"))
+    assert cpu_decode._build() is None
+    assert "the build failed" in caplog.text
+    assert not list((tmp_path / "fanout" / "kernels").glob("*"))  # no half-written file left
+    if not HAVE_CC:
+        return
+    monkeypatch.delenv("CC")
+    first = cpu_decode._build()
+    assert first and os.path.isfile(first)
+    when = os.stat(first).st_mtime_ns
+    assert cpu_decode._build() == first and os.stat(first).st_mtime_ns == when

@@ -48,7 +48,7 @@ class Session:
         self.kv = KVPool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
                          dtype, "cpu")
         self.rtt = ReqToTokenPool(8, 256, "cpu")
-        self.attn = TorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = TorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         # Scattered, distinct pages outside the scratch page, so a slot mix-up shows; within
         # a page, position p at offset p % page_size, as the KV manager lays them out (the
         # torch backend gathers by pages).

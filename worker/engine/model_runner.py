@@ -46,7 +46,7 @@ class ModelRunner:
         self.model, self.config = load_model(model_path, self.dtype, self.device)
         c = self.config
         self.max_context = c.max_context
-        self.attn = make_backend(cfg.attention_backend, self.device, num_heads=c.num_heads,
+        self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, num_heads=c.num_heads,
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
         self.graph_sizes: list[int] = []
         if cfg.cuda_graph and self.device.type == "cuda":

@@ -54,13 +54,13 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
 
-def make_backend(name: str, device: torch.device, **kw) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and torch elsewhere."""
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, **kw) -> AttentionBackend:
+    """`auto` picks Triton on CUDA and torch elsewhere. dtype: the model's and the KV pool's."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from .torch_backend import TorchBackend
-        return TorchBackend(device=device, **kw)
+        return TorchBackend(device=device, dtype=dtype, **kw)
     if name == "triton":
         from .triton_backend import TritonBackend
         return TritonBackend(**kw)

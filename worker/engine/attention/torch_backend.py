@@ -14,6 +14,11 @@ system prompt) attend to it once for the whole group, unmasked, and to the rest 
 own sequence separately; the two parts merge exactly through their log-sum-exps. That
 needs the log-sum-exp that torch's CPU flash kernel returns but F.scaled_dot_product_attention
 hides, so it runs on CPU tensors only (torch is pinned; a test checks it against plain SDPA).
+
+On a CPU in fp32, decode rows go to the C kernel instead (kernels/cpu_decode.py), which reads
+the pool in place: no gather, no buckets, no masks, and no shared-prefix groups (rows that
+share a prefix read the same pages, which are then in cache). The torch path above remains
+where the kernel cannot be built and for other dtypes, and is its reference in the tests.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
+from ..kernels import cpu_decode
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -58,10 +64,19 @@ class _Extend:
 
 
 @dataclass(slots=True)
+class _Kernel:
+    """The one-token rows, for the C kernel."""
+    rows: torch.Tensor  # [B] positions in [T] of their token
+    req: torch.Tensor  # [B] their rows of req_to_token
+    lens: torch.Tensor  # [B] keys each attends to
+
+
+@dataclass(slots=True)
 class TorchMetadata(AttentionMetadata):
     dec: list[_Decode]  # one batched call each
     shared: list[_Shared]
     ext: list[_Extend]
+    kernel: _Kernel | None = None
 
 
 def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
@@ -79,9 +94,15 @@ def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
 
 
 class TorchBackend(AttentionBackend):
-    def __init__(self, *args, device="cpu", **kw):
+    def __init__(self, *args, device="cpu", dtype=torch.float32, cpu_kernel: bool = True, **kw):
+        """cpu_kernel=False keeps decode on the torch path (the kernel's reference in tests)."""
         super().__init__(*args, **kw)
-        self.uses_shared_prefixes = torch.device(device).type == "cpu"  # the CPU flash kernel
+        cpu = torch.device(device).type == "cpu"
+        fits = cpu and cpu_kernel and cpu_decode.supports(dtype, self.num_heads, self.num_kv_heads,
+                                                          self.head_dim)
+        self.kernel = cpu_decode.load() if fits else None
+        # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for them.
+        self.uses_shared_prefixes = cpu and self.kernel is None
 
     def prepare(self, fb: ForwardBatch) -> TorchMetadata:
         dtype = fb.kv.k[0].dtype
@@ -105,7 +126,11 @@ class TorchBackend(AttentionBackend):
             meta.shared.append(_Shared(fb.extend_start_loc[g.rows], rtt[0, :p:ps] // ps,
                                        rest.reshape(-1), additive(own[:, None, None, :]), L))
         dec = [i for i in dec if i not in grouped]
-        if dec:
+        if dec and self.kernel is not None and dtype == torch.float32:  # (the pool's dtype)
+            ids = dec if len(dec) < fb.batch_size else slice(None)
+            meta.kernel = _Kernel(fb.extend_start_loc[ids].contiguous(),
+                                  fb.req_pool_indices[ids].contiguous(), fb.seq_lens[ids].contiguous())
+        elif dec:
             for bucket in _buckets([fb.seq_lens_cpu[i] for i in dec]):
                 ids = [dec[j] for j in bucket]
                 pages = fb.req_to_token[fb.req_pool_indices[ids], :max(fb.seq_lens_cpu[i] for i in ids):ps] // ps
@@ -132,7 +157,12 @@ class TorchBackend(AttentionBackend):
         kp, vp = kc.view(S // ps, ps * Hkv * D), vc.view(S // ps, ps * Hkv * D)  # a row a page
         m = fb.attn_meta
         G = self.num_heads // Hkv
+        if m.kernel is not None:
+            q = q.contiguous()  # the kernel's layout, and so out's (empty_like keeps q's strides)
         out = torch.empty_like(q)
+        if m.kernel is not None:
+            cpu_decode.decode_attention(self.kernel, q, out, kc, vc, fb.req_to_token, m.kernel.rows,
+                                        m.kernel.req, m.kernel.lens, self.scale)
         for d in m.dec:
             B, L = d.mask.shape[0], d.length
             qd = q[d.rows].view(B, Hkv, G, D)
