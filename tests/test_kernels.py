@@ -183,7 +183,7 @@ def test_shared_prefix_decode_equals_plain(dtype):
     torch.testing.assert_close(shared, plain, **TOL[dtype])
 
 
-HAVE_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+HAVE_CC = cpu_decode.compiler() is not None
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
@@ -205,7 +205,7 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
     kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
     kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
     assert kernel.kernel is not None, "a C compiler is here, so the kernel must build"
-    pools = [(buf.clone()) for buf in fb.kv.k + fb.kv.v]
+    pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
     out = _run(kernel, fb, q, k, v)
     assert fb.attn_meta.kernel is not None and len(fb.attn_meta.kernel.rows) == 7
     for buf, saved in zip(fb.kv.k + fb.kv.v, pools):

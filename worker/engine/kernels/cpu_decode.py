@@ -6,9 +6,9 @@ values into a dense copy, every layer of every step; at batch 64 on SmolLM2 that
 torch's flash kernel (built for blocks of queries, not the G heads of one token) were ~40% of
 a decode step. The kernel reads the pool in place.
 
-The shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler is $CC, else
-cc or gcc on PATH) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash
-of the source, the flags, the compiler's version and the CPU's flags, so a changed source or a
+The shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
+`compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
+source, the flags, the compiler's version and the CPU's flags, so a changed source or a
 home shared between machines never loads a stale or foreign build; it is written under a
 temporary name and renamed, so concurrent builders do not see half a file. Without a
 compiler, or where the build fails, `load()` returns None (logged once) and the torch path
@@ -44,8 +44,13 @@ def _cpu_flags() -> str:
         return ""
 
 
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build() -> str | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if not cc:
         log.warning("CPU decode attention: no C compiler (set CC, or install gcc); using torch")
         return None
