@@ -4,8 +4,9 @@ A row is one task: its query heads read every key and value of the row once, str
 from the pool through the row's slot table (no gathered copy), in blocks of KB keys with an
 online softmax (the running max rescales what is summed so far). Tasks are spread over
 torch's own OpenMP threads: the library is loaded after torch, so its libgomp.so.1 is torch's
-and there is one thread pool, not two fighting for cores. exp is a polynomial (Cephes' expf, within 2 ulp) that the compiler vectorizes; the scores
-it takes are never positive, which keeps it in range.
+and there is one thread pool, not two fighting for cores. exp is a polynomial (Cephes' expf,
+within 2 ulp) that the compiler vectorizes; the scores it takes are never positive, which keeps
+it in range.
 */
 #include <math.h>
 #include <stdint.h>
