@@ -11,7 +11,7 @@ import torch
 from worker.engine.attention.torch_backend import TorchBackend
 from worker.engine.attention.triton_backend import TritonBackend
 from worker.engine.batch import ForwardBatch, ForwardMode
-from worker.engine.kernels import cpu_decode
+from worker.engine.kernels import cpu_build, cpu_decode, cpu_linear
 from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref
@@ -183,7 +183,7 @@ def test_shared_prefix_decode_equals_plain(dtype):
     torch.testing.assert_close(shared, plain, **TOL[dtype])
 
 
-HAVE_CC = cpu_decode.compiler() is not None
+HAVE_CC = cpu_build.compiler() is not None
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
@@ -232,16 +232,62 @@ def test_cpu_kernel_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     caplog.set_level(logging.WARNING, "fanout.engine")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert cpu_decode._build() is None
+    assert cpu_build.build("cpu_decode") is None
     assert "no-such-cc --version failed" in caplog.text
     monkeypatch.setenv("CC", shutil.which("false"))
-    assert cpu_decode._build() is None
+    assert cpu_build.build("cpu_decode") is None
     assert "the build failed" in caplog.text
     assert not list((tmp_path / "fanout" / "kernels").glob("*"))  # no half-written file left
     if not HAVE_CC:
         return
     monkeypatch.delenv("CC")
-    first = cpu_decode._build()
+    first = cpu_build.build("cpu_decode")
     assert first and os.path.isfile(first)
     when = os.stat(first).st_mtime_ns
-    assert cpu_decode._build() == first and os.stat(first).st_mtime_ns == when
+    assert cpu_build.build("cpu_decode") == first and os.stat(first).st_mtime_ns == when
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+@pytest.mark.parametrize("n,k", [(96, 64), (49, 33), (1, 7), (300, 576)])
+def test_cpu_linear_matches_torch(n, k):
+    """Every row count around the kernel's row tile (1-20), columns not a multiple of a
+    panel, a bias or none, rows with a stride (a view of a wider tensor): x W^T (+ b) as
+    torch's, and silu(x Wg^T) * (x Wu^T) as torch's for the MLP's fused call."""
+    assert cpu_linear.load()
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, g, u = (torch.randn(n, k, generator=gen) / k ** 0.5 for _ in range(3))
+    b = torch.randn(n, generator=gen)
+    packed, gate_up = cpu_linear.pack(w), cpu_linear.pack_gate_up(g, u)
+    for m in range(1, 21):
+        wide = torch.randn(m, k + 5, generator=gen)
+        for x in (wide[:, :k].contiguous(), wide[:, 2:k + 2]):
+            exact = x.double()
+            torch.testing.assert_close(cpu_linear.linear(x, packed, b),
+                                       (exact @ w.double().T + b.double()).float(), atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(cpu_linear.linear(x, packed),
+                                       (exact @ w.double().T).float(), atol=2e-5, rtol=1e-5)
+            ref = torch.nn.functional.silu(exact @ g.double().T) * (exact @ u.double().T)
+            torch.testing.assert_close(cpu_linear.silu_mul(x, gate_up), ref.float(), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_linear_rows_do_not_depend_on_the_batch():
+    """A row's outputs are bit for bit the same alone or among others: each sums its products
+    in k order whatever the rows around it (so a request's logits do not hang on its batch)."""
+    assert cpu_linear.load()
+    gen = torch.Generator().manual_seed(3)
+    w = cpu_linear.pack(torch.randn(200, 96, generator=gen))
+    x = torch.randn(37, 96, generator=gen)
+    whole = cpu_linear.linear(x, w)
+    for i in (0, 8, 36):
+        assert torch.equal(cpu_linear.linear(x[i:i + 1], w), whole[i:i + 1])
+    assert torch.equal(cpu_linear.linear(x[5:30], w), whole[5:30])
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_linear_rejects_what_it_cannot_take():
+    assert cpu_linear.load()
+    w = cpu_linear.pack(torch.randn(8, 16))
+    for x in (torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64), torch.randn(16)):
+        with pytest.raises(ValueError, match="cpu_linear"):
+            cpu_linear.linear(x, w)

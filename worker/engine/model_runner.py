@@ -20,6 +20,7 @@ from .batch import ForwardBatch, ForwardMode
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, batch_sizes
 from .host_memory import keep_freed_blocks
+from .kernels import cpu_linear
 from .kv_pool import KVPool, ReqToTokenPool
 from .models.loader import load_model, resolve_dtype
 
@@ -59,8 +60,8 @@ class ModelRunner:
         self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
         if self.device.type == "cpu":
             keep_freed_blocks()  # activations reused from the heap, not page-faulted anew
-        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.model.pack_weights()  # measured in fp32 only (oneDNN fp16 needs AVX512-FP16)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.load():
+            self.model.pack_weights()  # the C matmul kernel's panels (fp32 only)
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0

@@ -6,11 +6,11 @@ ForwardBatch. q/k/v and gate/up are fused into one matmul each (the loader conca
 HF weights). Numerics follow HF: RMSNorm in fp32 then cast back, residual adds in the model
 dtype, logits computed in the model dtype and returned as fp32.
 
-On a CPU in fp32 the model runner calls `pack_weights()`: every matmul then runs from a weight
-prepacked once in oneDNN's blocked layout instead of the dense one, which MKL repacks on every
-call; at decode sizes (a few dozen rows) that repacking costs about as much as the product
-(on SmolLM2-135M, 2-core x86: the decode step's matmuls about 1.3x faster). Packed, the MLP's
-gate and up are two matmuls again, each with its elementwise step fused in (MLP.pack).
+On a CPU in fp32 the model runner calls `pack_weights()` where the C matmul kernel builds
+(kernels/cpu_linear.py): every projection and the lm_head then run from weights packed once
+into its panels instead of torch's dense ones, and the MLP's gate and up are one call that
+writes silu(gate) * up (on SmolLM2-135M, 2-core x86: a decode step's matmuls 1.35-1.45x
+faster than oneDNN's prepacked ones at 8-64 rows).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_linear
 from .rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:  # config.py imports the registry, which imports this module
@@ -27,22 +28,17 @@ if TYPE_CHECKING:  # config.py imports the registry, which imports this module
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: cpu_linear.Panels | None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] in oneDNN's layout for `linear` (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return cpu_linear.linear(x, packed, bias)
 
 
 class Linear(nn.Linear):
-    packed: torch.Tensor | None = None
+    packed: cpu_linear.Panels | None = None
 
     def pack(self) -> None:
-        self.packed = pack(self.weight)
+        self.packed = cpu_linear.pack(self.weight)
         self.weight = None  # the packed copy replaces it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,25 +92,21 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate: torch.Tensor | None = None  # packed halves of gate_up_proj (pack())
-        self.up: torch.Tensor | None = None
+        self.gate_up: cpu_linear.Panels | None = None  # both, packed (pack())
 
     def pack(self) -> None:
-        """Gate and up as two prepacked matmuls with oneDNN's fused epilogues, SiLU after the
-        gate's and the product after the up's, instead of one matmul and then two elementwise
-        passes over its [T, 2 * intermediate] output (a 2,048-token chunk of SmolLM2: the
-        MLP's first half 58 -> 48 ms on 2 cores). oneDNN's SiLU differs from torch's by a few
-        ulps (2e-6 here). Without a bias only, which no supported checkpoint has."""
+        """Gate and up as one kernel call that writes silu(gate) * up: no [T, 2 x
+        intermediate] product and no elementwise passes over it (a 2,048-token chunk of
+        SmolLM2 with oneDNN: the MLP's first half 58 -> 48 ms once fused). Without a bias
+        only, which no supported checkpoint has."""
         if self.gate_up_proj.bias is not None:
             return
-        gate, up = self.gate_up_proj.weight.chunk(2)
-        self.gate, self.up = pack(gate), pack(up)
+        self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
         self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
-            g = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
-            return self.down_proj(torch.ops.mkldnn._linear_pointwise.binary(x, g, self.up, None, "mul"))
+        if self.gate_up is not None:
+            return self.down_proj(cpu_linear.silu_mul(x, self.gate_up))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -149,7 +141,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head: torch.Tensor | None = None  # packed copy of the tied embeddings
+        self.tied_head: cpu_linear.Panels | None = None  # packed copy of the tied embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """input_ids [T], positions [T] (or [3, T] under M-RoPE) -> final-normed hidden
@@ -171,12 +163,13 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack_weights(self) -> None:
-        """Every matmul from a prepacked weight (see the module docstring); tied embeddings
-        get a packed copy for the lm_head, the lookup keeps the dense table."""
+        """Every matmul from the kernel's panels (see the module docstring; the caller checks
+        cpu_linear.load()); tied embeddings get a packed copy for the lm_head, the lookup
+        keeps the dense table."""
         for m in [m for m in self.modules() if isinstance(m, MLP)]:
             m.pack()  # first: it takes gate_up_proj apart
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
         if self.cfg.tie_word_embeddings:
-            self.tied_head = pack(self.embed_tokens.weight)
+            self.tied_head = cpu_linear.pack(self.embed_tokens.weight)

@@ -1,0 +1,90 @@
+"""The CPU kernels in C (cpu_decode.c, cpu_linear.c): each built once per machine with the C
+compiler, cached, and loaded with ctypes.
+
+A shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
+`compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
+source, the flags, the compiler's version and the CPU's flags, so a changed source or a home
+shared between machines never loads a stale or foreign build; it is written under a temporary
+name and renamed, so concurrent builders do not see half a file. Without a compiler, or where
+the build fails, `library()` returns None (logged once per kernel) and the torch path runs
+instead. Loaded after torch, a library's libgomp.so.1 is torch's: one OpenMP thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+log = logging.getLogger("fanout.engine")
+
+FOLDER = os.path.dirname(os.path.abspath(__file__))
+# gnu11, not c11: ISO C mode turns off contracting a * b + c into one FMA.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+_loaded: dict[str, ctypes.CDLL | None] = {}  # name: the library, or None once its build failed
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(name: str) -> str | None:
+    """The path of kernels/NAME.c built (or found in the cache), or None, with a warning."""
+    what = f"CPU kernel {name}"
+    cc = compiler()
+    if not cc:
+        log.warning("%s: no C compiler (set CC, or install gcc); using torch", what)
+        return None
+    with open(os.path.join(FOLDER, f"{name}.c"), "rb") as f:
+        src = f.read()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("%s: %s --version failed (%s); using torch", what, cc, e)
+        return None
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    folder = os.path.join(cache, "fanout", "kernels")
+    path = os.path.join(folder, f"{name}-{key}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, os.path.join(FOLDER, f"{name}.c"), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        log.warning("%s: the build failed (%s); using torch", what, e)
+        return None
+    if done.returncode != 0:
+        os.unlink(tmp)
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        log.warning("%s: the build failed (%s); using torch", what, last[0])
+        return None
+    os.replace(tmp, path)
+    return path
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """kernels/NAME.c as a loaded library, or None where it cannot be built."""
+    if name not in _loaded:
+        import torch  # noqa: F401  (first: the library then binds torch's libgomp)
+        path = build(name)
+        _loaded[name] = ctypes.CDLL(path) if path is not None else None
+    return _loaded[name]
