@@ -19,8 +19,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Stores the new tokens' K/V in their slots and attends over each request's cached KV.
 
-    `prepare` runs once per eager forward pass; `forward` runs per layer. Shapes: q [T, Hq, D];
-    k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A backend whose decode `forward` is
+    `prepare` runs once per eager forward pass; `forward` runs per layer: `store`, then
+    `attend` (a caller that writes the K/V itself, as the CPU's fused RoPE does, calls `attend`
+    alone). Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A backend whose decode `forward` is
     capturable (fixed-size device tensors, no host reads) sets `supports_cuda_graph` and gives
     the two graph hooks: `prepare_capture` (metadata of a static batch, made once before its
     capture) and `prepare_replay` (refresh it from the static buffers before each replay).
@@ -40,10 +41,19 @@ class AttentionBackend(ABC):
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
         """Per-batch metadata for an eager forward."""
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """One layer's attention, with fb.attn_meta from prepare (or prepare_capture)."""
+        self.store(k, v, layer, fb)
+        return self.attend(q, layer, fb)
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor, layer: int, fb: ForwardBatch) -> None:
+        """The new tokens' K/V into their slots (fb.out_cache_loc) of the layer's pools."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
+        """Attention of q over each request's KV, the new tokens' included (stored)."""
 
     def prepare_capture(self, fb: ForwardBatch) -> AttentionMetadata:
         """Metadata of a CUDA graph's static decode batch; must stay valid across replays."""

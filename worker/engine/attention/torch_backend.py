@@ -147,12 +147,15 @@ class TorchBackend(AttentionBackend):
             meta.ext.append(_Extend(starts[i], n, pages, additive(mask)))
         return meta
 
-    def forward(self, q, k, v, layer, fb):
+    def store(self, k, v, layer, fb):
         kc, vc = fb.kv.k[layer], fb.kv.v[layer]
         S, Hkv, D = kc.shape
-        kc2, vc2 = kc.view(S, Hkv * D), vc.view(S, Hkv * D)
-        kc2.index_copy_(0, fb.out_cache_loc, k.reshape(-1, Hkv * D).to(kc.dtype))
-        vc2.index_copy_(0, fb.out_cache_loc, v.reshape(-1, Hkv * D).to(vc.dtype))
+        kc.view(S, Hkv * D).index_copy_(0, fb.out_cache_loc, k.reshape(-1, Hkv * D).to(kc.dtype))
+        vc.view(S, Hkv * D).index_copy_(0, fb.out_cache_loc, v.reshape(-1, Hkv * D).to(vc.dtype))
+
+    def attend(self, q, layer, fb):
+        kc, vc = fb.kv.k[layer], fb.kv.v[layer]
+        S, Hkv, D = kc.shape
         ps = fb.kv.page_size
         kp, vp = kc.view(S // ps, ps * Hkv * D), vc.view(S // ps, ps * Hkv * D)  # a row a page
         m = fb.attn_meta

@@ -40,9 +40,11 @@ class TritonBackend(AttentionBackend):
     def prepare_replay(self, fb: ForwardBatch, meta: AttentionMetadata) -> None:
         pass  # decode reads only fb's device tensors, already refreshed
 
-    def forward(self, q, k, v, layer, fb):
+    def store(self, k, v, layer, fb):
+        store_kv(k, v, fb.kv.k[layer], fb.kv.v[layer], fb.out_cache_loc)
+
+    def attend(self, q, layer, fb):
         kc, vc = fb.kv.k[layer], fb.kv.v[layer]
-        store_kv(k, v, kc, vc, fb.out_cache_loc)
         if fb.mode == ForwardMode.DECODE:
             return decode_attention(q, kc, vc, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                     self.scale, self.num_kv_splits)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_linear
+from ..kernels import cpu_linear, cpu_pointwise
 from .rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:  # config.py imports the registry, which imports this module
@@ -46,12 +46,25 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    fused = False  # through cpu_pointwise (set by CausalLM.pack_weights)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual): the sum is the
+        stream the next block adds to (SGLang's fused add + norm)."""
+        if self.fused:
+            out = cpu_pointwise.add_rmsnorm(x, residual, self.weight, self.eps)  # x += residual
+            return out if residual is None else (out, x)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -73,10 +86,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.fused = False  # RoPE and the K/V store through cpu_pointwise (pack_weights)
 
     def forward(self, x: torch.Tensor, rope: tuple, fb) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.fused:  # k and v go straight into the pool, rotated
+            q = cpu_pointwise.rope_store(qkv, *rope, self.num_heads, self.num_kv_heads,
+                                         fb.kv.k[self.layer_idx], fb.kv.v[self.layer_idx],
+                                         fb.out_cache_loc)
+            return self.o_proj(fb.attn.attend(q, self.layer_idx, fb).reshape(T, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -119,9 +139,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, rope: tuple, fb) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple, fb):
+        """(the previous layer's output, the residual stream; None at the first layer, whose
+        h is the embeddings) -> this layer's. HF's h + attn(norm(h)), then + mlp(norm(h)),
+        with each add done by the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, fb), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -152,9 +179,10 @@ class CausalLM(nn.Module):
         """Input embeddings [T, hidden] (a multimodal model splices in its own) -> final-normed
         hidden states."""
         rope = self.rope(positions, h.dtype)  # cos/sin gathered once, used by every layer
+        residual = None
         for layer in self.layers:
-            h = layer(h, rope, fb)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, fb)
+        return self.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> [N, vocab] float32."""
@@ -165,7 +193,13 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Every matmul from the kernel's panels (see the module docstring; the caller checks
         cpu_linear.load()); tied embeddings get a packed copy for the lm_head, the lookup
-        keeps the dense table."""
+        keeps the dense table. The norms, RoPE and K/V stores go through cpu_pointwise where
+        it builds (not under qk_norm, which comes between the projection and RoPE)."""
+        if cpu_pointwise.load():
+            for layer in self.layers:
+                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
+                layer.self_attn.fused = not self.cfg.qk_norm
+            self.norm.fused = True
         for m in [m for m in self.modules() if isinstance(m, MLP)]:
             m.pack()  # first: it takes gate_up_proj apart
         for m in self.modules():

@@ -1,0 +1,59 @@
+"""The per-row steps between a layer's matmuls on a CPU in fp32 (cpu_pointwise.c), built and
+loaded by cpu_build.py: residual add + RMSNorm, and RoPE + the new tokens' K/V store.
+
+Why C: with the matmuls in cpu_linear.c, what was left of a decode step's forward outside
+them and attention was dozens of small torch ops a layer (RMSNorm's six, RoPE's dozen, the
+K/V stores), each a few microseconds of dispatch around almost no work: on SmolLM2 at batch 8
+about a quarter of the forward. Here they are three calls a layer.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_build
+
+_fns: dict[str, object] = {}
+
+
+def load() -> bool:
+    """Whether the kernels are here (built, or built now); False where they cannot be built."""
+    if not _fns:
+        lib = cpu_build.library("cpu_pointwise")
+        if lib is None:
+            return False
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.fanout_add_rmsnorm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+        lib.fanout_rope_store.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, p, p]
+        for name in ("add_rmsnorm", "rope_store"):
+            fn = getattr(lib, f"fanout_{name}")
+            fn.restype = None
+            _fns[name] = fn
+    return True
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """rmsnorm(x (+ residual)) * weight, x [M, D] contiguous float32. With a residual, x
+    becomes x + residual in place (the caller's new residual)."""
+    out = torch.empty_like(x)
+    _fns["add_rmsnorm"](x.data_ptr(), None if residual is None else residual.data_ptr(),
+                        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+               num_kv_heads: int, kc: torch.Tensor, vc: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] (rows may be strided) -> q rotated [T, Hq, D]; k rotated and v
+    written to kc, vc [pool slots, Hkv, D] (contiguous) at slots [T] (int64). cos, sin: the
+    tokens' own angles, [T, D/2] or RotaryEmbedding's [T, 1, D/2]. Every slot in range (the
+    caller's invariant: the C code trusts it)."""
+    T, D = qkv.shape[0], kc.shape[2]
+    cos, sin = cos.reshape(T, D // 2).contiguous(), sin.reshape(T, D // 2).contiguous()
+    q = torch.empty(T, num_heads, D, dtype=torch.float32)
+    _fns["rope_store"](qkv.data_ptr(), T, qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                       num_heads, num_kv_heads, D, q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                       slots.data_ptr())
+    return q
