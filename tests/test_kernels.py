@@ -188,7 +188,7 @@ HAVE_CC = cpu_build.compiler() is not None
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 20), (16, 1, 16)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (16, 1, 16), (2, 1, 128)])
 def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
     """Decode rows of lengths around the kernel's 32-key blocks, beside extend rows (which stay
     on the torch path), two rows borrowing a third's first slots as from the radix cache."""
@@ -224,6 +224,15 @@ def test_cpu_kernel_only_for_fp32():
     assert fb.attn_meta.kernel is None and fb.attn_meta.dec  # the fp16 pool: torch's path
     be16 = TorchBackend(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16)
     assert be16.kernel is None and be16.uses_shared_prefixes  # torch's flash kernel groups them
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_kernel_head_dims_it_cannot_take_stay_on_torch():
+    """A head_dim that is not a whole number of the CPU's vectors (every x86 and NEON vector
+    is 4, 8 or 16 floats: 20 is none), or one past 16 of them: the torch path, not an error."""
+    for d in (20, 4096):
+        be = TorchBackend(num_heads=2, num_kv_heads=1, head_dim=d)
+        assert be.kernel is None and be.uses_shared_prefixes
 
 
 def test_cpu_kernel_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -98,9 +98,8 @@ class TorchBackend(AttentionBackend):
         """cpu_kernel=False keeps decode on the torch path (the kernel's reference in tests)."""
         super().__init__(*args, **kw)
         cpu = torch.device(device).type == "cpu"
-        fits = cpu and cpu_kernel and cpu_decode.supports(dtype, self.num_heads, self.num_kv_heads,
-                                                          self.head_dim)
-        self.kernel = cpu_decode.load() if fits else None
+        self.kernel = cpu_decode.load(dtype, self.num_heads, self.num_kv_heads,
+                                      self.head_dim) if cpu and cpu_kernel else None
         # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for them.
         self.uses_shared_prefixes = cpu and self.kernel is None
 

@@ -3,7 +3,7 @@ compiler, cached, and loaded with ctypes.
 
 A shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
 `compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
-source, the flags, the compiler's version and the CPU's flags, so a changed source or a home
+source and the headers beside it (cpu_vector.h), the flags, the compiler's version and the CPU's flags, so a changed source or a home
 shared between machines never loads a stale or foreign build; it is written under a temporary
 name and renamed, so concurrent builders do not see half a file. Without a compiler, or where
 the build fails, `library()` returns None (logged once per kernel) and the torch path runs
@@ -48,8 +48,10 @@ def build(name: str) -> str | None:
     if not cc:
         log.warning("%s: no C compiler (set CC, or install gcc); using torch", what)
         return None
-    with open(os.path.join(FOLDER, f"{name}.c"), "rb") as f:
-        src = f.read()
+    src = b""
+    for file in [f"{name}.c", *sorted(f for f in os.listdir(FOLDER) if f.endswith(".h"))]:
+        with open(os.path.join(FOLDER, file), "rb") as f:
+            src += f.read()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -2,102 +2,108 @@
 
 A row is one task: its query heads read every key and value of the row once, straight
 from the pool through the row's slot table (no gathered copy), in blocks of KB keys with an
-online softmax (the running max rescales what is summed so far). Tasks are spread over
-torch's own OpenMP threads: the library is loaded after torch, so its libgomp.so.1 is torch's
-and there is one thread pool, not two fighting for cores. exp is a polynomial (Cephes' expf,
-within 2 ulp) that the compiler vectorizes; the scores it takes are never positive, which keeps
-it in range.
+online softmax (the running max rescales what is summed so far). A slot's keys for all kv
+heads are one contiguous run and a page's slots are consecutive, so the reads stream; a
+block's keys and values (KB runs) stay in L1 while each query head goes over them: its
+scores as vectors of D (one horizontal sum a key, in registers), its softmax over the block's
+scores as vectors, its output accumulated in registers; the next block's runs are prefetched.
+On SmolLM2's shapes (64 rows of 250 keys, pools of 8 layers, from memory): 2.05 ms a layer
+against 2.88 for the scalar kernel before it. D is a multiple of the vector width (VL) and
+at most MAX_ND vectors; the loops over D unroll for each such D (attend's nd).
 */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define KB 32 /* keys per block */
+#include "cpu_vector.h"
 
-#pragma omp declare simd
-static inline float exp_neg(float x) {
-    x = fmaxf(x, -87.0f); /* exp(-87) ~ 1.6e-38: still a normal float, and nothing next to the 1 of the max */
-    float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    float y = fmaf(p * r, r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    return y * s;
+#define KB 16 /* keys per block */
+#define MAX_ND 16
+
+int64_t fanout_decode_vl(void) { return VL; }
+int64_t fanout_decode_max_head_dim(void) { return VL * MAX_ND; }
+
+/* One row: qb [Hq, D] -> ob [Hq, D] over len keys at slots. acc, m, l: Hq heads' scratch. */
+INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, const float *vc,
+                   const int64_t *slots, int64_t len, int64_t Hq, int64_t Hkv, float scale,
+                   vf *acc, float *m, float *l) {
+    const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D;
+    for (int64_t h = 0; h < Hq; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int c = 0; c < nd; c++) acc[h * nd + c] = (vf){0};
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += KB) {
+        const int n = len - p0 < KB ? (int)(len - p0) : KB;
+        const float *k[KB], *v[KB];
+        for (int j = 0; j < n; j++) {
+            k[j] = kc + slots[p0 + j] * run;
+            v[j] = vc + slots[p0 + j] * run;
+        }
+        /* The next block's runs, fetched while this one computes: pages lie anywhere in the
+           pool, and a hardware prefetcher stops at each 4 KB page of memory. */
+        for (int64_t j = p0 + KB; j < p0 + 2 * KB && j < len; j++)
+            for (int64_t o = 0; o < run; o += 64 / sizeof(float)) {
+                __builtin_prefetch(kc + slots[j] * run + o);
+                __builtin_prefetch(vc + slots[j] * run + o);
+            }
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t off = (h / G) * D;
+            vf q[MAX_ND];
+            for (int c = 0; c < nd; c++) q[c] = load(qb + h * D + c * VL);
+            float s[KB];
+            for (int j = 0; j < KB; j++) {
+                if (j < n) {
+                    vf t = q[0] * load(k[j] + off);
+                    for (int c = 1; c < nd; c++) t += q[c] * load(k[j] + off + c * VL);
+                    s[j] = hsum(t) * scale;
+                } else {
+                    s[j] = -INFINITY;
+                }
+            }
+            float mx = m[h];
+            for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+            vf sum = (vf){0};
+            for (int j = 0; j < KB; j += VL) {
+                const vf x = load(s + j);
+                const vf e = pick(x == -INFINITY, (vf){0}, vexp(x - mx)); /* masked keys: 0 */
+                store(s + j, e);
+                sum += e;
+            }
+            const float corr = m[h] == -INFINITY ? 0.0f : vexp((vf){0} + (m[h] - mx))[0];
+            l[h] = l[h] * corr + hsum(sum);
+            m[h] = mx;
+            vf a[MAX_ND];
+            for (int c = 0; c < nd; c++) a[c] = acc[h * nd + c] * corr;
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < nd; c++) a[c] += s[j] * load(v[j] + off + c * VL);
+            for (int c = 0; c < nd; c++) acc[h * nd + c] = a[c];
+        }
+    }
+    for (int64_t h = 0; h < Hq; h++) {
+        const float inv = 1.0f / l[h];
+        for (int c = 0; c < nd; c++) store(ob + h * D + c * VL, acc[h * nd + c] * inv);
+    }
 }
 
 /* q, out: [*, Hq, D] rows; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position;
-   rows[b]: b's row of q and out; req[b]: its row of table; lens[b]: its keys. A task is a row,
-   every head: a slot's keys for all kv heads are one contiguous run, and a page's slots are
-   consecutive, so the reads stream (a task per (row, kv head) read a third of each run and
-   waited on memory: ~3x slower on SmolLM2; so did taking the heads one at a time over a
-   block, which re-reads each run per head). */
+   rows[b]: b's row of q and out; req[b]: its row of table; lens[b]: its keys (>= 1). */
 void fanout_decode_attention(const float *q, float *out, const float *kc, const float *vc,
                              const int64_t *table, int64_t stride, const int64_t *rows,
                              const int64_t *req, const int64_t *lens, int64_t B, int64_t Hq,
                              int64_t Hkv, int64_t D, float scale) {
-    const int64_t G = Hq / Hkv, run = Hkv * D;
+    const int nd = (int)(D / VL);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
-        const int64_t len = lens[b];
-        const int64_t *slots = table + req[b] * stride;
+        vf acc[Hq * nd];
+        float m[Hq], l[Hq];
         const float *qb = q + rows[b] * Hq * D;
-        float acc[Hq][D], m[Hq], l[Hq], s[Hq][KB];
-        for (int64_t g = 0; g < Hq; g++) {
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-            memset(acc[g], 0, D * sizeof(float));
+        float *ob = out + rows[b] * Hq * D;
+        const int64_t *slots = table + req[b] * stride;
+#define CASE(ND) \
+    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b], Hq, Hkv, scale, acc, m, l); break;
+        switch (nd) {
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
         }
-        for (int64_t p0 = 0; p0 < len; p0 += KB) {
-            const int64_t n = len - p0 < KB ? len - p0 : KB;
-            for (int64_t j = 0; j < n; j++) {
-                const float *k = kc + slots[p0 + j] * run;
-                for (int64_t g = 0; g < Hq; g++) {
-                    const float *qg = qb + g * D, *kg = k + (g / G) * D;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * kg[d];
-                    s[g][j] = dot * scale;
-                }
-            }
-            for (int64_t g = 0; g < Hq; g++) {
-                float mx = m[g];
-                for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-                const float c = m[g] == -INFINITY ? 0.0f : exp_neg(m[g] - mx);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; j++) {
-                    s[g][j] = exp_neg(s[g][j] - mx);
-                    sum += s[g][j];
-                }
-                l[g] = l[g] * c + sum;
-                m[g] = mx;
-                if (c != 1.0f) {
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[g][d] *= c;
-                }
-            }
-            for (int64_t j = 0; j < n; j++) {
-                const float *v = vc + slots[p0 + j] * run;
-                for (int64_t g = 0; g < Hq; g++) {
-                    const float w = s[g][j], *vg = v + (g / G) * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += w * vg[d];
-                }
-            }
-        }
-        float *o = out + rows[b] * Hq * D;
-        for (int64_t g = 0; g < Hq; g++) {
-            const float inv = 1.0f / l[g];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g][d] * inv;
-        }
+#undef CASE
     }
 }

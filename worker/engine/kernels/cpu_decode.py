@@ -16,22 +16,24 @@ from . import cpu_build
 MAX_HEAD_FLOATS = 16384  # Hq * D: a row's accumulators live on its thread's stack (64 KiB)
 
 
-def load():
-    """The kernel as a ctypes function, or None where it cannot be built."""
+def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    """The kernel as a ctypes function for a model of this dtype and these shapes, or None
+    where it cannot be built or take them: fp32 only, head_dim a multiple of the CPU's vector
+    width (4, 8 or 16 floats) and at most 16 vectors."""
+    if dtype != torch.float32 or num_heads % num_kv_heads or num_heads * head_dim > MAX_HEAD_FLOATS:
+        return None
     lib = cpu_build.library("cpu_decode")
     if lib is None:
+        return None
+    for name in ("fanout_decode_vl", "fanout_decode_max_head_dim"):
+        getattr(lib, name).restype = ctypes.c_int64
+    if head_dim % lib.fanout_decode_vl() or head_dim > lib.fanout_decode_max_head_dim():
         return None
     fn = lib.fanout_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float]
     fn.restype = None
     return fn
-
-
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel can take a model of this dtype (it is fp32 only) and these shapes."""
-    return (dtype == torch.float32 and num_heads % num_kv_heads == 0
-            and num_heads * head_dim <= MAX_HEAD_FLOATS)
 
 
 def decode_attention(fn, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

@@ -8,40 +8,25 @@ registers, the weights a few KB ahead prefetched (the first rows read them from 
 
 Every output sums its K products in k order, one FMA at a time: the same order for a row
 whatever the batch around it, so a request's logits do not depend on its batch-mates.
-Written with GCC's vector extensions, so one source builds for AVX-512, AVX2 or NEON: the
-register tile follows the vector width the target has (fanout_linear_nr() tells the packer).
+The register tile follows the vector width of the target (cpu_vector.h; fanout_linear_nr()
+tells the packer).
 Tasks are spread over torch's own OpenMP threads (loaded after torch: one libgomp).
 */
-#include <stdint.h>
-#include <string.h>
+#include "cpu_vector.h"
 
-#if defined(__AVX512F__)
-#define VL 16
+#if VL == 16
 #define MR 8 /* 16 accumulators of the 32 zmm registers */
-#elif defined(__AVX__)
-#define VL 8
-#define MR 6 /* 12 accumulators of the 16 ymm registers */
 #else
-#define VL 4 /* SSE, NEON */
-#define MR 6
+#define MR 6 /* 12 accumulators of 16 registers */
 #endif
 #define NR (2 * VL)
 #define AHEAD 32 /* k steps of prefetch: 32 * NR floats, 4 KB with AVX-512 */
 
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-
 int64_t fanout_linear_nr(void) { return NR; }
 
-static inline __attribute__((always_inline)) vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* t[m][:] = rows 0..mr of x (row stride ldx) times one panel w [K][NR] */
-static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx,
-                                                       const float *w, int64_t K,
-                                                       float t[MR][NR]) {
+INLINE void tile(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
+                 float t[MR][NR]) {
     vf a0[MR], a1[MR];
     for (int m = 0; m < mr; m++) a0[m] = a1[m] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
@@ -55,8 +40,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
         }
     }
     for (int m = 0; m < mr; m++) {
-        memcpy(t[m], &a0[m], sizeof a0[m]);
-        memcpy(t[m] + VL, &a1[m], sizeof a1[m]);
+        store(t[m], a0[m]);
+        store(t[m] + VL, a1[m]);
     }
 }
 
@@ -97,31 +82,6 @@ void fanout_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const floa
     }
 }
 
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
-
-static inline __attribute__((always_inline)) vf pick(vi mask, vf a, vf b) { /* mask ? a : b */
-    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
-}
-
-/* Cephes' expf (within 2 ulp) on a vector, x clamped to [-87, 88]: finite, normal results */
-static inline __attribute__((always_inline)) vf vexp(vf x) {
-    const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;
-    x = pick(x < lo, lo, x);
-    x = pick(x > hi, hi, x);
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, to even */
-    const vf n = (x * 1.44269504088896341f + shift) - shift;
-    vf r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vf e = (p * r) * r + r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return e * (vf)bits;
-}
-
 /* The MLP's first half: y = silu(x Wg^T) * (x Wu^T), y [M, N]. panels interleaves the two
    weights' panels, gate p then up p ([2 * ceil(N / NR), K, NR]), so a task reads both from
    one run and writes its NR columns of y once, with no [M, 2N] product in between. */
@@ -141,7 +101,7 @@ void fanout_linear_silu_mul(const float *x, int64_t M, int64_t K, int64_t ldx,
                 for (int h = 0; h < NR; h += VL) {
                     const vf a = load(g[m] + h), b = load(u[m] + h);
                     const vf out = a / (1.0f + vexp(-a)) * b;
-                    memcpy(g[m] + h, &out, sizeof out);
+                    store(g[m] + h, out);
                 }
                 memcpy(y + (m0 + m) * ldy + c0, g[m], nc * sizeof(float));
             }
