@@ -60,7 +60,10 @@ class _Extend:
     start: int  # its first new token's position in [T]
     length: int  # new tokens
     pages: torch.Tensor  # [seq / page_size] its KV pages, seq padded to whole pages
-    mask: torch.Tensor  # [n, seq] additive, causal
+    # [n, seq] additive, causal; None for a row with no cached prefix: query i then sees keys
+    # 0..i, SDPA's own causal alignment, which skips the masked half instead of adding -inf
+    # to it (the padding past n is never seen)
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -141,9 +144,11 @@ class TorchBackend(AttentionBackend):
         for i in ext:
             n, s, p = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             pages = fb.req_to_token[fb.req_pool_indices[i], :s:ps] // ps
-            q_pos = torch.arange(p, s, device=pages.device)
-            mask = torch.arange(pages.shape[0] * ps, device=pages.device)[None, :] <= q_pos[:, None]
-            meta.ext.append(_Extend(starts[i], n, pages, additive(mask)))
+            mask = None
+            if p:
+                q_pos = torch.arange(p, s, device=pages.device)
+                mask = additive(torch.arange(pages.shape[0] * ps, device=pages.device)[None, :] <= q_pos[:, None])
+            meta.ext.append(_Extend(starts[i], n, pages, mask))
         return meta
 
     def store(self, k, v, layer, fb):
@@ -175,12 +180,12 @@ class TorchBackend(AttentionBackend):
         for g in m.shared:
             out[g.rows] = self._shared(q[g.rows], kp, vp, g, Hkv, G, D)
         for e in m.ext:
-            s, start, n = e.mask.shape[1], e.start, e.length
+            s, start, n = e.pages.shape[0] * ps, e.start, e.length
             qe = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             ke = kp.index_select(0, e.pages).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
             ve = vp.index_select(0, e.pages).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, scale=self.scale,
-                                               enable_gqa=G > 1)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None,
+                                               scale=self.scale, enable_gqa=G > 1)
             out[start:start + n] = o[0].transpose(0, 1)
         return out
 
