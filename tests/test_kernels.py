@@ -215,6 +215,33 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (16, 1, 16), (2, 1, 128)])
+def test_cpu_prefill_kernel_matches_torch_path(page_size, hq, hkv, d):
+    """Prefill rows with and without a cached prefix, of lengths around the kernel's 16-key
+    blocks and its token blocks (48 query heads a task), beside decode rows: every row as the
+    torch path (SDPA over the gathered pages) gives it."""
+    gen = torch.Generator().manual_seed(11)
+    prefix_lens, extend_lens = [0, 0, 15, 32, 7, 0, 40], [1, 17, 2, 40, 16, 60, 1]
+    fb = _forward_batch(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, torch.float32,
+                        gen, hkv=hkv, d=d)
+    T = fb.num_tokens
+    q = torch.randn(T, hq, d, generator=gen)
+    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
+    assert kernel.ext_kernel is not None, "a C compiler is here, so the kernel must build"
+    pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
+    out = _run(kernel, fb, q, k, v)
+    assert fb.attn_meta.ext_kernel is not None and not fb.attn_meta.ext
+    assert fb.attn_meta.ext_kernel.counts.tolist() == [17, 2, 40, 16, 60]
+    for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
+        buf.copy_(saved)
+    ref = _run(plain, fb, q, k, v)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
 def test_cpu_kernel_only_for_fp32():
     gen = torch.Generator().manual_seed(8)
     fb = _forward_batch(ForwardMode.DECODE, [5, 40], [1, 1], 16, torch.float16, gen)

@@ -15,10 +15,11 @@ own sequence separately; the two parts merge exactly through their log-sum-exps.
 needs the log-sum-exp that torch's CPU flash kernel returns but F.scaled_dot_product_attention
 hides, so it runs on CPU tensors only (torch is pinned; a test checks it against plain SDPA).
 
-On a CPU in fp32, decode rows go to the C kernel instead (kernels/cpu_decode.py), which reads
-the pool in place: no gather, no buckets, no masks, and no shared-prefix groups (rows that
-share a prefix read the same pages, which are then in cache). The torch path above remains
-where the kernel cannot be built and for other dtypes, and is its reference in the tests.
+On a CPU in fp32, decode rows go to the C kernel instead (kernels/cpu_decode.py) and prefill
+rows to another (kernels/cpu_extend.py); both read the pool in place: no gather, no buckets,
+no masks, and no shared-prefix groups (rows that share a prefix read the same pages, which are
+then in cache). The torch path above remains where the kernels cannot be built and for other
+dtypes, and is their reference in the tests.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
-from ..kernels import cpu_decode
+from ..kernels import cpu_decode, cpu_extend
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -75,11 +76,21 @@ class _Kernel:
 
 
 @dataclass(slots=True)
+class _ExtendKernel:
+    """The multi-token rows, for the C prefill kernel."""
+    starts: torch.Tensor  # [R] their first token's position in [T]
+    counts: torch.Tensor  # [R] new tokens
+    prefix: torch.Tensor  # [R] cached tokens before them
+    req: torch.Tensor  # [R] their rows of req_to_token
+
+
+@dataclass(slots=True)
 class TorchMetadata(AttentionMetadata):
     dec: list[_Decode]  # one batched call each
     shared: list[_Shared]
     ext: list[_Extend]
     kernel: _Kernel | None = None
+    ext_kernel: _ExtendKernel | None = None
 
 
 def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
@@ -101,8 +112,9 @@ class TorchBackend(AttentionBackend):
         """cpu_kernel=False keeps decode on the torch path (the kernel's reference in tests)."""
         super().__init__(*args, **kw)
         cpu = torch.device(device).type == "cpu"
-        self.kernel = cpu_decode.load(dtype, self.num_heads, self.num_kv_heads,
-                                      self.head_dim) if cpu and cpu_kernel else None
+        shape = (dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.kernel = cpu_decode.load(*shape) if cpu and cpu_kernel else None
+        self.ext_kernel = cpu_extend.load(*shape) if cpu and cpu_kernel else None
         # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for them.
         self.uses_shared_prefixes = cpu and self.kernel is None
 
@@ -140,6 +152,11 @@ class TorchBackend(AttentionBackend):
                 mask = torch.arange(L, device=pages.device)[None, :] < fb.seq_lens[ids][:, None]
                 meta.dec.append(_Decode(fb.extend_start_loc[ids], pages.reshape(-1),
                                         additive(mask[:, None, None, :]), L))
+        if ext and self.ext_kernel is not None and dtype == torch.float32:
+            ids = torch.tensor(ext, device=fb.extend_lens.device)
+            meta.ext_kernel = _ExtendKernel(fb.extend_start_loc[ids], fb.extend_lens[ids],
+                                            fb.prefix_lens[ids], fb.req_pool_indices[ids])
+            ext = []
         starts = fb.extend_start_loc.tolist() if ext else []
         for i in ext:
             n, s, p = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
@@ -164,12 +181,16 @@ class TorchBackend(AttentionBackend):
         kp, vp = kc.view(S // ps, ps * Hkv * D), vc.view(S // ps, ps * Hkv * D)  # a row a page
         m = fb.attn_meta
         G = self.num_heads // Hkv
-        if m.kernel is not None:
-            q = q.contiguous()  # the kernel's layout, and so out's (empty_like keeps q's strides)
+        if m.kernel is not None or m.ext_kernel is not None:
+            q = q.contiguous()  # the kernels' layout, and so out's (empty_like keeps q's strides)
         out = torch.empty_like(q)
         if m.kernel is not None:
             cpu_decode.decode_attention(self.kernel, q, out, kc, vc, fb.req_to_token, m.kernel.rows,
                                         m.kernel.req, m.kernel.lens, self.scale)
+        if m.ext_kernel is not None:
+            e = m.ext_kernel
+            cpu_extend.extend_attention(self.ext_kernel, q, out, kc, vc, fb.req_to_token, e.starts,
+                                        e.counts, e.prefix, e.req, self.scale)
         for d in m.dec:
             B, L = d.mask.shape[0], d.length
             qd = q[d.rows].view(B, Hkv, G, D)

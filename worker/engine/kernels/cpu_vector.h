@@ -46,6 +46,22 @@ INLINE float hsum(vf v) { /* halves added pairwise, in registers */
 #endif
 }
 
+INLINE float hmax(vf v) { /* the largest lane */
+#if VL == 16
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float m = v[0];
+    for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
+    return m;
+#endif
+}
+
+INLINE vi lanes(void) { /* 0, 1, ..., VL - 1 */
+    vi x;
+    for (int i = 0; i < VL; i++) x[i] = i;
+    return x;
+}
+
 /* Cephes' expf (within 2 ulp) on a vector, x clamped to [-87, 88]: finite, normal results */
 INLINE vf vexp(vf x) {
     const vf lo = (vf){0} - 87.0f, hi = (vf){0} + 88.0f;

@@ -1,0 +1,127 @@
+/* Prefill (extend) attention over the paged KV cache on a CPU, fp32: the new tokens of a
+request, causal, over its cached prefix and themselves.
+
+A task is one request, one kv head and a block of its new tokens (QN query heads at most: the
+block's tokens times the G query heads of that kv head). It goes over the request's keys in
+blocks of KB, from the pool through the slot table (the new tokens' K/V are stored already),
+up to its last token's position; a key block is transposed once into [D][KB] so that a query's
+KB scores are D multiply-adds of one broadcast query value and one vector, no horizontal sums
+(torch's CPU flash kernel ran this at ~35 GFLOP/s on SmolLM2's 9 x 64 heads and ~240-token
+prompts); then an online softmax over the block as vectors and the values accumulated in
+registers. A query skips the blocks past its position and masks the keys past it in the block
+that holds it. The tasks are spread over torch's OpenMP threads.
+*/
+#include <math.h>
+
+#include "cpu_vector.h"
+
+#define KB 16 /* keys per block */
+#define NV (KB / VL) /* vectors of a block's scores */
+#define MAX_ND 16
+#define QN 48 /* query heads per task */
+
+int64_t fanout_extend_vl(void) { return VL; }
+int64_t fanout_extend_max_head_dim(void) { return VL * MAX_ND; }
+
+/* Query heads of tokens t0..t1 (of one request, positions p + t) on kv head hk. */
+INLINE void task(const int nd, const float *q, float *out, const float *kc, const float *vc,
+                 const int64_t *slots, int64_t start, int64_t p, int64_t t0, int64_t t1,
+                 int64_t hk, int64_t Hq, int64_t Hkv, float scale) {
+    const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D, nq = (t1 - t0) * G;
+    float kt[MAX_ND * VL][KB];
+    vf acc[QN][MAX_ND];
+    float m[QN], l[QN];
+    for (int64_t i = 0; i < nq; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        for (int c = 0; c < nd; c++) acc[i][c] = (vf){0};
+    }
+    const int64_t keys = p + t1; /* the last token's position + 1 */
+    for (int64_t k0 = 0; k0 < keys; k0 += KB) {
+        const int n = keys - k0 < KB ? (int)(keys - k0) : KB;
+        const float *v[KB];
+        for (int j = 0; j < KB; j++) {
+            if (j < n) {
+                const float *k = kc + slots[k0 + j] * run + hk * D;
+                v[j] = vc + slots[k0 + j] * run + hk * D;
+                for (int64_t d = 0; d < D; d++) kt[d][j] = k[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) kt[d][j] = 0.0f;
+            }
+        }
+        for (int64_t t = k0 - p > t0 ? k0 - p : t0; t < t1; t++) { /* tokens before k0 skip it */
+            const int64_t pos = p + t;
+            const int last = pos - k0 < n - 1 ? (int)(pos - k0) : n - 1; /* keys 0..last seen */
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t i = (t - t0) * G + g, h = hk * G + g;
+                const float *qh = q + ((start + t) * Hq + h) * D;
+                vf s[NV], s1[NV];
+                for (int u = 0; u < NV; u++) s[u] = s1[u] = (vf){0};
+                for (int64_t d = 0; d < D; d += 2) { /* two chains of FMAs */
+                    for (int u = 0; u < NV; u++) {
+                        s[u] += qh[d] * load(kt[d] + u * VL);
+                        s1[u] += qh[d + 1] * load(kt[d + 1] + u * VL);
+                    }
+                }
+                vf top = (vf){0} + m[i];
+                for (int u = 0; u < NV; u++) {
+                    s[u] = (s[u] + s1[u]) * scale;
+                    if (last < KB - 1) /* keys past the query's position, or past the last */
+                        s[u] = pick(lanes() + u * VL > last, (vf){0} - INFINITY, s[u]);
+                    top = pick(s[u] > top, s[u], top);
+                }
+                const float mx = hmax(top);
+                vf sum = (vf){0};
+                for (int u = 0; u < NV; u++) {
+                    s[u] = pick(s[u] == -INFINITY, (vf){0}, vexp(s[u] - mx));
+                    sum += s[u];
+                }
+                const float corr = m[i] == -INFINITY ? 0.0f : vexp((vf){0} + (m[i] - mx))[0];
+                l[i] = l[i] * corr + hsum(sum);
+                m[i] = mx;
+                float w[KB];
+                for (int u = 0; u < NV; u++) store(w + u * VL, s[u]);
+                vf a[MAX_ND];
+                for (int c = 0; c < nd; c++) a[c] = acc[i][c] * corr;
+                for (int j = 0; j <= last; j++)
+                    for (int c = 0; c < nd; c++) a[c] += w[j] * load(v[j] + c * VL);
+                for (int c = 0; c < nd; c++) acc[i][c] = a[c];
+            }
+        }
+    }
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t i = (t - t0) * G + g;
+            const float inv = 1.0f / l[i];
+            for (int c = 0; c < nd; c++)
+                store(out + ((start + t) * Hq + hk * G + g) * D + c * VL, acc[i][c] * inv);
+        }
+}
+
+/* q, out: [T, Hq, D]; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position.
+   Request r: its new tokens are q rows starts[r] .. + counts[r], at positions prefix[r] on,
+   its slots table row req[r]. G = Hq / Hkv must be at most QN. */
+void fanout_extend_attention(const float *q, float *out, const float *kc, const float *vc,
+                             const int64_t *table, int64_t stride, const int64_t *starts,
+                             const int64_t *counts, const int64_t *prefix, const int64_t *req,
+                             int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+    const int nd = (int)(D / VL);
+    const int64_t G = Hq / Hkv, QB = QN / G; /* tokens per task */
+    int64_t tasks = 0;
+    for (int64_t r = 0; r < R; r++) tasks += Hkv * ((counts[r] + QB - 1) / QB);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t x = 0; x < tasks; x++) {
+        int64_t r = 0, y = x; /* task x: request r, then kv head and token block */
+        while (y >= Hkv * ((counts[r] + QB - 1) / QB)) y -= Hkv * ((counts[r++] + QB - 1) / QB);
+        const int64_t blocks = (counts[r] + QB - 1) / QB, hk = y / blocks, t0 = (y % blocks) * QB;
+        const int64_t t1 = t0 + QB < counts[r] ? t0 + QB : counts[r];
+        const int64_t *slots = table + req[r] * stride;
+#define CASE(ND) \
+    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale); break;
+        switch (nd) {
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+        }
+#undef CASE
+    }
+}
