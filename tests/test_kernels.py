@@ -327,3 +327,42 @@ def test_cpu_linear_rejects_what_it_cannot_take():
     for x in (torch.randn(2, 15), torch.randn(2, 16, dtype=torch.float64), torch.randn(16)):
         with pytest.raises(ValueError, match="cpu_linear"):
             cpu_linear.linear(x, w)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_pointwise_matches_torch():
+    """Residual add + RMSNorm, and RoPE + the K/V store, as the model's torch ops do them;
+    the caller's residual is left as it was, and a strided x is taken."""
+    from worker.engine.kernels import cpu_pointwise
+    from worker.engine.models.llama import RMSNorm
+    from worker.engine.models.rope import RotaryEmbedding, apply_rotary
+    assert cpu_pointwise.load()
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen)
+    x, res = torch.randn(70, 96, generator=gen), torch.randn(70, 96, generator=gen)
+    kept = res.clone()
+    with torch.no_grad():
+        ref_out, ref_sum = norm(x, res)
+        out, total = cpu_pointwise.add_rmsnorm(x.clone(), res, norm.weight, norm.eps)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(total, ref_sum, atol=0, rtol=0)
+        assert torch.equal(res, kept)
+        wide = torch.randn(70, 100, generator=gen)
+        out, _ = cpu_pointwise.add_rmsnorm(wide[:, 2:98], None, norm.weight, norm.eps)
+        torch.testing.assert_close(out, norm(wide[:, 2:98]), atol=1e-5, rtol=1e-5)
+    hq, hkv, d, T = 6, 2, 32, 9
+    rope = RotaryEmbedding(d, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 6, 7, 8, 30, 31, 62, 63])
+    cos, sin = rope(positions, torch.float32)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen)
+    kc, vc = torch.zeros(80, hkv, d), torch.zeros(80, hkv, d)
+    slots = torch.randperm(80, generator=gen)[:T]
+    q = cpu_pointwise.rope_store(qkv, cos, sin, hq, hkv, kc, vc, slots)
+    qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref_q, ref_k = apply_rotary(qr.view(T, hq, d), kr.view(T, hkv, d), cos, sin)
+    assert torch.equal(q, ref_q) and torch.equal(kc[slots], ref_k)  # no FMA: torch's roundings
+    assert torch.equal(vc[slots], vr.view(T, hkv, d))
+    others = torch.ones(80, dtype=torch.bool)
+    others[slots] = False
+    assert not kc[others].any() and not vc[others].any()

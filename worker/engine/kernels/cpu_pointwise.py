@@ -34,13 +34,17 @@ def load() -> bool:
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> torch.Tensor:
-    """rmsnorm(x (+ residual)) * weight, x [M, D] contiguous float32. With a residual, x
-    becomes x + residual in place (the caller's new residual)."""
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x (+ residual)) * weight, x (+ residual)) for x [M, D] float32. With a
+    residual, the sum is written into x's own buffer where x is contiguous (a matmul's fresh
+    output), else into a copy."""
+    x = x.contiguous()
+    if residual is not None:
+        residual = residual.contiguous()
     out = torch.empty_like(x)
     _fns["add_rmsnorm"](x.data_ptr(), None if residual is None else residual.data_ptr(),
                         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
-    return out
+    return out, x
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

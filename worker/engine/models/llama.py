@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
         """norm(x); with a residual, (norm(x + residual), x + residual): the sum is the
         stream the next block adds to (SGLang's fused add + norm)."""
         if self.fused:
-            out = cpu_pointwise.add_rmsnorm(x, residual, self.weight, self.eps)  # x += residual
+            out, x = cpu_pointwise.add_rmsnorm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, x)
         if residual is None:
             return self._norm(x)
