@@ -186,12 +186,30 @@ def test_shared_prefix_decode_equals_plain(dtype):
 HAVE_CC = cpu_build.compiler() is not None
 
 
+def _kernels_against_torch(fb, gen, hq, hkv, d):
+    """One layer of fb through the C kernels and through the torch path (SDPA over gathered
+    pages), from the same pools: (the kernels' output, torch's, the kernels' metadata)."""
+    T = fb.num_tokens
+    q = torch.randn(T, hq, d, generator=gen)
+    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
+    assert kernel.kernel is not None and kernel.ext_kernel is not None, \
+        "a C compiler is here, so the kernels must build"
+    pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
+    out = _run(kernel, fb, q, k, v)
+    meta = fb.attn_meta
+    for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
+        buf.copy_(saved)
+    return out, _run(plain, fb, q, k, v), meta
+
+
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (16, 1, 16), (2, 1, 128)])
 def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
-    """Decode rows of lengths around the kernel's 32-key blocks, beside extend rows (which stay
-    on the torch path), two rows borrowing a third's first slots as from the radix cache."""
+    """Decode rows of lengths around the kernel's 16-key blocks, beside an extend row, two
+    rows borrowing a third's first slots as from the radix cache."""
     gen = torch.Generator().manual_seed(7)
     prefix_lens, extend_lens = [0, 30, 31, 32, 95, 12, 40, 40], [1, 1, 1, 1, 1, 9, 1, 1]
     fb = _forward_batch(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, torch.float32,
@@ -199,18 +217,8 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
     rows = fb.req_pool_indices.tolist()
     for r in rows[6:]:
         fb.req_to_token[r, :32] = fb.req_to_token[rows[4], :32]
-    T = fb.num_tokens
-    q = torch.randn(T, hq, d, generator=gen)
-    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
-    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
-    kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
-    assert kernel.kernel is not None, "a C compiler is here, so the kernel must build"
-    pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
-    out = _run(kernel, fb, q, k, v)
-    assert fb.attn_meta.kernel is not None and len(fb.attn_meta.kernel.rows) == 7
-    for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
-        buf.copy_(saved)
-    ref = _run(plain, fb, q, k, v)
+    out, ref, meta = _kernels_against_torch(fb, gen, hq, hkv, d)
+    assert meta.kernel is not None and len(meta.kernel.rows) == 7
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -219,25 +227,14 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (16, 1, 16), (2, 1, 128)])
 def test_cpu_prefill_kernel_matches_torch_path(page_size, hq, hkv, d):
     """Prefill rows with and without a cached prefix, of lengths around the kernel's 16-key
-    blocks and its token blocks (48 query heads a task), beside decode rows: every row as the
-    torch path (SDPA over the gathered pages) gives it."""
+    blocks and its token blocks (48 query heads a task), beside decode rows."""
     gen = torch.Generator().manual_seed(11)
     prefix_lens, extend_lens = [0, 0, 15, 32, 7, 0, 40], [1, 17, 2, 40, 16, 60, 1]
     fb = _forward_batch(ForwardMode.EXTEND, prefix_lens, extend_lens, page_size, torch.float32,
                         gen, hkv=hkv, d=d)
-    T = fb.num_tokens
-    q = torch.randn(T, hq, d, generator=gen)
-    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
-    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d)
-    kernel, plain = TorchBackend(**kw), TorchBackend(cpu_kernel=False, **kw)
-    assert kernel.ext_kernel is not None, "a C compiler is here, so the kernel must build"
-    pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
-    out = _run(kernel, fb, q, k, v)
-    assert fb.attn_meta.ext_kernel is not None and not fb.attn_meta.ext
-    assert fb.attn_meta.ext_kernel.counts.tolist() == [17, 2, 40, 16, 60]
-    for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
-        buf.copy_(saved)
-    ref = _run(plain, fb, q, k, v)
+    out, ref, meta = _kernels_against_torch(fb, gen, hq, hkv, d)
+    assert meta.ext_kernel is not None and not meta.ext
+    assert meta.ext_kernel.counts.tolist() == [17, 2, 40, 16, 60]
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 

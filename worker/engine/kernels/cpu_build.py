@@ -1,11 +1,11 @@
-"""The CPU kernels in C (cpu_decode.c, cpu_linear.c): each built once per machine with the C
-compiler, cached, and loaded with ctypes.
+"""The CPU kernels in C (cpu_linear.c, cpu_pointwise.c, cpu_decode.c, cpu_extend.c): each built
+once per machine with the C compiler, cached, and loaded with ctypes.
 
 A shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
 `compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
-source and the headers beside it (cpu_vector.h), the flags, the compiler's version and the CPU's flags, so a changed source or a home
-shared between machines never loads a stale or foreign build; it is written under a temporary
-name and renamed, so concurrent builders do not see half a file. Without a compiler, or where
+source and the headers beside it (cpu_vector.h), the flags, the compiler's version and the
+CPU's flags, so a changed source or a home shared between machines never loads a stale or
+foreign build; it is written under a temporary name and renamed, so concurrent builders do not see half a file. Without a compiler, or where
 the build fails, `library()` returns None (logged once per kernel) and the torch path runs
 instead. Loaded after torch, a library's libgomp.so.1 is torch's: one OpenMP thread pool.
 """
@@ -81,6 +81,20 @@ def build(name: str) -> str | None:
         return None
     os.replace(tmp, path)
     return path
+
+
+def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
+    """lib's function NAME with its C signature set."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def head_dim_fits(lib: ctypes.CDLL, head_dim: int) -> bool:
+    """Whether an attention kernel of lib takes heads of head_dim floats: a whole number of
+    the CPU's vectors (4, 8 or 16 floats), at most MAX_ND of them (cpu_vector.h)."""
+    vl = bind(lib, "fanout_vl", [], ctypes.c_int64)()
+    return head_dim % vl == 0 and head_dim <= bind(lib, "fanout_max_head_dim", [], ctypes.c_int64)()
 
 
 def library(name: str) -> ctypes.CDLL | None:

@@ -16,10 +16,6 @@ at most MAX_ND vectors; the loops over D unroll for each such D (attend's nd).
 #include "cpu_vector.h"
 
 #define KB 16 /* keys per block */
-#define MAX_ND 16
-
-int64_t fanout_decode_vl(void) { return VL; }
-int64_t fanout_decode_max_head_dim(void) { return VL * MAX_ND; }
 
 /* One row: qb [Hq, D] -> ob [Hq, D] over len keys at slots. acc, m, l: Hq heads' scratch. */
 INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, const float *vc,

@@ -25,15 +25,11 @@ def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     lib = cpu_build.library("cpu_decode")
     if lib is None:
         return None
-    for name in ("fanout_decode_vl", "fanout_decode_max_head_dim"):
-        getattr(lib, name).restype = ctypes.c_int64
-    if head_dim % lib.fanout_decode_vl() or head_dim > lib.fanout_decode_max_head_dim():
+    if not cpu_build.head_dim_fits(lib, head_dim):
         return None
-    fn = lib.fanout_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float]
-    fn.restype = None
-    return fn
+    return cpu_build.bind(lib, "fanout_decode_attention",
+                          [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float])
 
 
 def decode_attention(fn, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

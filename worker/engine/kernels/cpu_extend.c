@@ -17,11 +17,7 @@ that holds it. The tasks are spread over torch's OpenMP threads.
 
 #define KB 16 /* keys per block */
 #define NV (KB / VL) /* vectors of a block's scores */
-#define MAX_ND 16
 #define QN 48 /* query heads per task */
-
-int64_t fanout_extend_vl(void) { return VL; }
-int64_t fanout_extend_max_head_dim(void) { return VL * MAX_ND; }
 
 /* Query heads of tokens t0..t1 (of one request, positions p + t) on kv head hk. */
 INLINE void task(const int nd, const float *q, float *out, const float *kc, const float *vc,

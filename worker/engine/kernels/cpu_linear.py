@@ -38,14 +38,10 @@ def load() -> bool:
         if lib is None:
             return False
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.fanout_linear_nr.restype = i64
-        _fns["nr"] = lib.fanout_linear_nr()
-        _fns["linear"] = lib.fanout_linear
-        lib.fanout_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64]
-        _fns["silu_mul"] = lib.fanout_linear_silu_mul
-        lib.fanout_linear_silu_mul.argtypes = [p, i64, i64, i64, p, i64, p, i64]
-        for fn in (lib.fanout_linear, lib.fanout_linear_silu_mul):
-            fn.restype = None
+        _fns["nr"] = cpu_build.bind(lib, "fanout_linear_nr", [], i64)()
+        _fns["linear"] = cpu_build.bind(lib, "fanout_linear", [p, i64, i64, i64, p, i64, p, p, i64])
+        _fns["silu_mul"] = cpu_build.bind(lib, "fanout_linear_silu_mul",
+                                          [p, i64, i64, i64, p, i64, p, i64])
     return True
 
 

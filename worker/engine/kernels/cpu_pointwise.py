@@ -24,12 +24,10 @@ def load() -> bool:
         if lib is None:
             return False
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.fanout_add_rmsnorm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-        lib.fanout_rope_store.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, p, p]
-        for name in ("add_rmsnorm", "rope_store"):
-            fn = getattr(lib, f"fanout_{name}")
-            fn.restype = None
-            _fns[name] = fn
+        _fns["add_rmsnorm"] = cpu_build.bind(lib, "fanout_add_rmsnorm",
+                                             [p, p, p, p, i64, i64, ctypes.c_float])
+        _fns["rope_store"] = cpu_build.bind(lib, "fanout_rope_store",
+                                            [p, i64, i64, p, p, i64, i64, i64, p, p, p, p])
     return True
 
 

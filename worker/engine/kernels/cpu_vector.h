@@ -22,6 +22,13 @@ typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* An attention kernel's head: D floats, a whole number of vectors, at most MAX_ND of them
+   (its loops over D unroll for each count). Exported so that Python checks a model's head
+   size against the library it loaded. */
+#define MAX_ND 16
+int64_t fanout_vl(void) { return VL; }
+int64_t fanout_max_head_dim(void) { return VL * MAX_ND; }
+
 INLINE vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
