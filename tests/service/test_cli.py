@@ -45,7 +45,7 @@ def test_generate_offline_matches_the_engine(tmp_path, model_dir, engine, capsys
     out = tmp_path / "out.jsonl"
     main(["generate", src, str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "6",
           "--n", "2", "--temperature", "0.9", "--seed", "3"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     want = engine.generate(prompts=["Hello", "def f(x):", "a b c"],
                            sampling_params=SamplingParams(max_new_tokens=6, n=2, temperature=0.9, seed=3))
     assert [(r["index"], r["custom_id"]) for r in rows] == [(0, "q0"), (1, "q1"), (2, "q2")]
@@ -152,7 +152,7 @@ def test_submit_run_again_follows_the_job_it_made(tmp_path, api_url, worker, cap
     main(["submit", src, *flags, "--out", str(out)])
     err = capsys.readouterr().err
     assert f"job {first} (4 items" in err and "submitted before with this file and these flags" in err
-    items = [json.loads(line) for line in out.read_text().splitlines()]
+    items = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     assert [len(it["samples"]) for it in items] == [1] * 4
     assert all(it["samples"][0]["usage"]["completion_tokens"] == 200 for it in items)
     main(["submit", src, *flags, "--new", "--no-wait"])
@@ -169,7 +169,7 @@ def test_submit_status_results(tmp_path, api_url, worker, capsys):
     out = tmp_path / "results.jsonl"
     main(["submit", src, "--url", api_url, "--max-new-tokens", "4", "--out", str(out)])
     job_id = re.search(r"job (\w+)", capsys.readouterr().err).group(1)
-    items = [json.loads(line) for line in out.read_text().splitlines()]
+    items = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     assert [len(it["samples"]) for it in items] == [1, 2]
     main(["status", job_id, "--url", api_url])
     assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
@@ -200,7 +200,7 @@ def test_submit_upload_sends_a_dataset_and_a_rerun_follows_its_job(tmp_path, api
     out = tmp_path / "first.jsonl"
     main(["submit", src, *flags, "--out", str(out)])
     first = re.search(r"job (\w+) ", capsys.readouterr().err).group(1)
-    items = [json.loads(line) for line in out.read_text().splitlines()]
+    items = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     assert [it["custom_id"] for it in items] == ["u0", "u1", "u2"] and [len(it["samples"]) for it in items] == [1, 2, 1]
     uploaded = datasets()
     again = tmp_path / "again.jsonl"
@@ -535,6 +535,6 @@ def test_generate_takes_tools_as_json_flags(tmp_path, model_dir):
     out = tmp_path / "out.jsonl"
     main(["generate", src, str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "100",
           "--tools", json.dumps(tools), "--tool-choice", "required", "--no-parallel-tool-calls"])
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    (row,) = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     (call,) = row["samples"][0]["tool_calls"]
     assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city"}

@@ -272,7 +272,7 @@ def test_fanout_generate_offline_takes_images(llava, llava_engine, tmp_path):
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
     main(["generate", str(src), str(out), "--model", llava, "--device", "cpu", "--max-new-tokens", "6",
           "--temperature", "0"])
-    rows = [json.loads(line)["samples"][0] for line in out.read_text().splitlines()]
+    rows = [json.loads(line)["samples"][0] for line in out.read_text().rstrip("\n").split("\n")]
     refs = llava_engine.generate(messages=chats[:2], sampling_params=SamplingParams(max_new_tokens=6, temperature=0))
     assert [r["token_ids"] for r in rows[:2]] == [ref.samples[0].token_ids for ref in refs]
     assert rows[0]["usage"]["prompt_tokens"] == refs[0].samples[0].usage.prompt_tokens  # the image's tokens

@@ -79,7 +79,7 @@ def test_generate_writes_logprobs(tmp_path, model_dir, engine):
     out = tmp_path / "out.jsonl"
     main(["generate", str(src), str(out), "--model", model_dir, "--device", "cpu", "--max-new-tokens", "5",
           "--temperature", "0", "--logprobs", "--top-logprobs", "2", "--prompt-logprobs", "1"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     want = engine.generate(prompts=PROMPTS, sampling_params=SamplingParams(
         max_new_tokens=5, temperature=0, logprobs=True, top_logprobs=2, prompt_logprobs=1))
     for row, it in zip(rows, want, strict=True):
