@@ -4,7 +4,8 @@ the generation.
 
     python bench/peer_worker.py ENGINE MODEL [--threads N]
 
-ENGINE is fanout (fanout-overlap: with overlap_schedule), transformers, vllm or llamacpp; MODEL the GGUF file (fanout, llamacpp) or
+ENGINE is fanout (fanout-overlap: with overlap_schedule), transformers, vllm or llamacpp
+(llamacpp-plain: its weights not repacked); MODEL the GGUF file (fanout, llamacpp) or
 the fp32 Hugging Face folder (transformers, vllm). Protocol, one JSON object a line:
 stdin {"prompts": [[ids], ...], "max_new_tokens": M, "n": N, "temperature": T, "seed": S};
 stdout first {"ready": true, ...} once loaded, then per workload {"seconds": s, "outputs":
@@ -122,12 +123,15 @@ class LlamaCpp:
     copied (llama_memory_seq_cp). Sampling in C (EOS masked by a logit bias, then greedy, or
     temperature and a seeded draw)."""
     CTX, BATCH, SEQS = 32768, 2048, 64
+    repack = True  # llama.cpp's extra buffer types: weights repacked for the CPU (AMX and the like)
 
     def __init__(self, model: str, threads: int):
         import llama_cpp as L
         self.L = L
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(model.encode(), L.llama_model_default_params())
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = self.repack
+        self.model = L.llama_model_load_from_file(model.encode(), mp)
         self.ctxs = {}
         for unified in (False, True):
             cp = L.llama_context_default_params()
@@ -199,7 +203,14 @@ class LlamaCpp:
         return [outs[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "transformers": Transformers, "vllm": Vllm, "llamacpp": LlamaCpp}
+class LlamaCppPlain(LlamaCpp):
+    """Weights as stored: on an Intel Xeon with AMX, llama.cpp 0.3.36's repacked Q4_1 weights
+    crash its first decode (SIGSEGV); bench/peers.py falls back to this."""
+    repack = False
+
+
+ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "transformers": Transformers,
+           "vllm": Vllm, "llamacpp": LlamaCpp, "llamacpp-plain": LlamaCppPlain}
 
 
 def main() -> None:
