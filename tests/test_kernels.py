@@ -318,6 +318,25 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch():
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+def test_cpu_linear_in_passes_of_rows():
+    """Rows beyond one pass (512 KB of x: 32 rows of 4,096 columns), the last pass partial:
+    every row as torch's, and as the same row alone, bit for bit."""
+    assert cpu_linear.load()
+    gen = torch.Generator().manual_seed(4)
+    w, g, u = (torch.randn(40, 4096, generator=gen) / 64 for _ in range(3))
+    x = torch.randn(77, 4096, generator=gen)
+    packed, gate_up = cpu_linear.pack(w), cpu_linear.pack_gate_up(g, u)
+    whole, mlp = cpu_linear.linear(x, packed), cpu_linear.silu_mul(x, gate_up)
+    exact = x.double()
+    torch.testing.assert_close(whole, (exact @ w.double().T).float(), atol=2e-5, rtol=1e-5)
+    ref = torch.nn.functional.silu(exact @ g.double().T) * (exact @ u.double().T)
+    torch.testing.assert_close(mlp, ref.float(), atol=2e-5, rtol=1e-5)
+    for i in (0, 31, 32, 70, 76):
+        assert torch.equal(cpu_linear.linear(x[i:i + 1], packed), whole[i:i + 1])
+        assert torch.equal(cpu_linear.silu_mul(x[i:i + 1], gate_up), mlp[i:i + 1])
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
 def test_cpu_linear_rejects_what_it_cannot_take():
     assert cpu_linear.load()
     w = cpu_linear.pack(torch.randn(8, 16))
