@@ -13,21 +13,21 @@ import torch
 
 from . import cpu_build
 
-QN = 48  # query heads per task (cpu_extend.c): a kv head's G query heads must fit
-
-
 def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     """The kernel as a ctypes function for a model of this dtype and these shapes, or None
-    where it cannot be built or take them: fp32 only, at most QN query heads a kv head,
-    head_dim a multiple of the CPU's vector width and at most 16 vectors."""
-    if dtype != torch.float32 or num_heads % num_kv_heads or num_heads // num_kv_heads > QN:
+    where it cannot be built or take them: fp32 only, a kv head's query heads within one task
+    (the library's fanout_extend_qn()), head_dim a multiple of the CPU's vector width and at
+    most 16 vectors."""
+    if dtype != torch.float32 or num_heads % num_kv_heads:
         return None
     lib = cpu_build.library("cpu_extend")
     if lib is None:
         return None
-    if not cpu_build.head_dim_fits(lib, head_dim):
+    i64 = ctypes.c_int64
+    qn = cpu_build.bind(lib, "fanout_extend_qn", [], i64)()
+    if num_heads // num_kv_heads > qn or not cpu_build.head_dim_fits(lib, head_dim):
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p = ctypes.c_void_p
     return cpu_build.bind(lib, "fanout_extend_attention",
                           [p, p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float])
 
