@@ -165,12 +165,16 @@ def test_cancel_keeps_the_finished_lines(oai):
         oai.batches.cancel(b.id)
 
 
-def test_a_batch_past_its_window_expires_with_its_finished_lines(oai, redis_url, tmp_path):
-    proc, url = start_api(redis_url, tmp_path, "api-window", env={"FANOUT_BATCH_WINDOW": "3"})
+def test_a_batch_past_its_window_expires_with_its_finished_lines(model_dir, tmp_path):
+    """Its own Redis, API (a 3 s window) and a worker that runs one request at a time, so the
+    48 slow lines (43,200 one-row steps, tens of seconds) cannot finish inside the window
+    however fast the machine (on the shared workers 48 lines once completed within it)."""
+    server = EmbeddedRedis()
+    proc, url = start_api(server.url, tmp_path, "api-window", env={"FANOUT_BATCH_WINDOW": "3"})
+    worker = WorkerProc(server.url, model_dir, tmp_path, args=["--max-running", "1"])
     try:
+        worker.start()
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as short:
-            # 48 long lines: about 900 steps of 48 rows, well past the 3 s window on a fast machine
-            # (12 lines took about 3 s here: the batch could complete first).
             lines, f = slow_batch(short, n=48)
             b = short.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
             assert b.expires_at - b.created_at == 3
@@ -178,7 +182,10 @@ def test_a_batch_past_its_window_expires_with_its_finished_lines(oai, redis_url,
             assert b.expired_at >= b.expires_at
             each_line_once(short, b, lines, "batch_expired")
     finally:
+        if worker.proc and worker.proc.alive():
+            worker.stop(signal.SIGKILL)
         proc.stop()
+        server.stop()
 
 
 def test_a_batch_whose_worker_is_killed_completes_with_each_line_once(model_dir, tmp_path):
