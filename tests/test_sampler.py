@@ -281,10 +281,17 @@ def test_bad_logits_shape_is_named():
         Sampler(10, "cpu")(torch.zeros(1, 8), [req()])
 
 
-def test_uniform_at_columns_is_the_whole_rows_value():
-    """seeded_uniform_at hashes in int64, seeded_uniform in int32 lanes, in blocks of
-    columns: every value equal, at a real vocabulary's width and over several blocks."""
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_uniform_at_columns_is_the_whole_rows_value(c_kernel, monkeypatch):
+    """seeded_uniform_at hashes in int64, seeded_uniform in C on a CPU (kernels/cpu_noise.c)
+    or in int32 lanes of torch ops in blocks of columns (CUDA, or no compiler): every value
+    equal, at a real vocabulary's width and over several blocks."""
+    from worker.engine.kernels import cpu_noise
     from worker.engine.sampler import _col_keys, seeded_uniform_at
+    if c_kernel and not cpu_noise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    if not c_kernel:
+        monkeypatch.setattr(cpu_noise, "load", lambda: False)
     V = 49152
     seeds = [7, 2**40 + 3, 0, 2**64 - 1] + [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(60)]
     steps = [0, 11, 99, 2**31 + 1] + list(range(60))

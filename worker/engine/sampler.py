@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .grammar import Masks
+from .kernels import cpu_noise
 from .req import Req
 
 _M32 = 0xFFFFFFFF
@@ -74,8 +75,11 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
     """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
     if col_keys is None:
         col_keys = _col_keys(vocab_size, device)
+    keys = _row_keys(seeds, steps, device)
+    if keys.device.type == "cpu" and cpu_noise.load():  # the same bits, hashed in C
+        return cpu_noise.seeded_uniform(keys, col_keys)
     # The same hash as _mix32 over int64, on the values' 32 bits in int32 (_mix32_).
-    k = _row_keys(seeds, steps, device).to(torch.int32)[:, None]
+    k = keys.to(torch.int32)[:, None]
     col_keys = col_keys.to(torch.int32)
     out = torch.empty(k.shape[0], vocab_size, dtype=torch.float32, device=k.device)
     # On a CPU, in blocks of columns small enough for the cache, in place: the hash is some

@@ -1,13 +1,14 @@
-"""The CPU kernels in C (cpu_linear.c, cpu_pointwise.c, cpu_decode.c, cpu_extend.c): each built
-once per machine with the C compiler, cached, and loaded with ctypes.
+"""The CPU kernels in C (cpu_linear.c, cpu_pointwise.c, cpu_decode.c, cpu_extend.c,
+cpu_noise.c): each built once per machine with the C compiler, cached, and loaded with ctypes.
 
 A shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
 `compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
 source and the headers beside it (cpu_vector.h), the flags, the compiler's version and the
 CPU's flags, so a changed source or a home shared between machines never loads a stale or
-foreign build; it is written under a temporary name and renamed, so concurrent builders do not see half a file. Without a compiler, or where
-the build fails, `library()` returns None (logged once per kernel) and the torch path runs
-instead. Loaded after torch, a library's libgomp.so.1 is torch's: one OpenMP thread pool.
+foreign build; it is written under a temporary name and renamed, so concurrent builders do
+not see half a file. Without a compiler, or where the build fails, `library()` returns None
+(logged once per kernel) and the torch path runs instead. Loaded after torch, a library's
+libgomp.so.1 is torch's: one OpenMP thread pool.
 """
 from __future__ import annotations
 
