@@ -354,6 +354,25 @@ class Consumer(Outages, Publishing, BaseWorker):
         self._done(a)
         self.metrics.attempt("dropped")
 
+    def clean_registries(self) -> None:
+        """rq's maintenance of the queues' registries (at start, then every 10 minutes), but
+        an expired execution in a StartedJobRegistry is the reaper's alone. rq's own cleanup
+        of it would mark the shard's rq job failed (AbandonedJobError) with no stream entry
+        and no retry, and the job would hang: a worker that started as a dead worker's
+        heartbeat expired once did that, between its reap and this maintenance (the scores
+        are whole seconds)."""
+        self.reap()
+        for queue in self.queues:
+            if queue.acquire_maintenance_lock():
+                log.info("worker %s: cleaning registries for queue %s", self.name, queue.name)
+                for registry in (queue.finished_job_registry, queue.failed_job_registry,
+                                 queue.deferred_job_registry, queue.ready_job_registry):
+                    registry.cleanup()
+                worker_registration.clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()
+
     def reap(self) -> None:
         """Retry, fail or cancel the jobs whose execution expired (worker/reaper.py)."""
         for job_id, owner, outcome in reaper.reap(self.connection, self.queues, self.serializer,

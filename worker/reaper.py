@@ -1,9 +1,10 @@
 """Shards whose worker died: found and settled by any live worker, within seconds.
 
 A shard attempt's execution in rq's StartedJobRegistry has a score = the time its
-heartbeat expires; its worker pushes it forward every third of the TTL. rq looks for
-expired ones only in its maintenance (every 10 minutes) and writes no stream entries, so
-every Fanout worker calls `reap` every few seconds: each expired shard is settled
+heartbeat expires; its worker pushes it forward every third of the TTL. rq would mark
+expired ones failed in its maintenance (at a worker's start, then every 10 minutes), with no
+stream entries and no retry; the Fanout worker leaves that to this module instead
+(Consumer.clean_registries) and calls `reap` every few seconds: each expired shard is settled
 (worker/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
 flag), retried (it resumes on a live worker from its stored samples; a strike only if the
 dead attempt stored nothing) or, struck more often than the job's retries, failed with
