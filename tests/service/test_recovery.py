@@ -184,8 +184,10 @@ def test_killed_three_times_the_job_finishes_exactly_once(service, model_dir, en
     for k, stored in enumerate((6, 14, 22)):
         w = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)
         w.start()
-        wait_for(lambda: r.hlen(keys.results(job)) >= stored, 90, f"{stored} samples stored", interval=0.01)
-        w.stop(signal.SIGKILL)
+        try:
+            wait_for(lambda: r.hlen(keys.results(job)) >= stored, 90, f"{stored} samples stored", interval=0.01)
+        finally:  # killed whatever happens: a worker left running would take the next test's job
+            w.stop(signal.SIGKILL)
         kills.append((time.time(), r.hlen(keys.results(job))))
         assert kills[-1][1] < 32, f"the kill must land mid-job: {kills}"
     last = WorkerProc(service["url"], model_dir, service["logs"], env=ttl)
