@@ -72,7 +72,8 @@ def _col_keys(vocab_size: int, device) -> torch.Tensor:
 
 def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="cpu",
                    col_keys: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
+    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab index): hashed
+    in C on a CPU where kernels/cpu_noise.c builds, else by torch ops (the same bits)."""
     if col_keys is None:
         col_keys = _col_keys(vocab_size, device)
     keys = _row_keys(seeds, steps, device)
@@ -82,8 +83,9 @@ def seeded_uniform(seeds: list[int], steps: list[int], vocab_size: int, device="
     k = keys.to(torch.int32)[:, None]
     col_keys = col_keys.to(torch.int32)
     out = torch.empty(k.shape[0], vocab_size, dtype=torch.float32, device=k.device)
-    # On a CPU, in blocks of columns small enough for the cache, in place: the hash is some
-    # twenty passes over [B, V], which done whole stream from memory (~8x slower).
+    # Without the C kernel, on a CPU: in blocks of columns small enough for the cache, in
+    # place; the hash is some twenty passes over [B, V], which done whole stream from memory
+    # (~8x slower).
     cols = max(1, _HASH_BLOCK // max(1, k.shape[0])) if k.device.type == "cpu" else vocab_size
     h = torch.empty(k.shape[0], min(cols, vocab_size), dtype=torch.int32, device=k.device)
     tmp = torch.empty_like(h)

@@ -60,9 +60,10 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
         const int64_t first = (k0 - p > t0 ? k0 - p : t0) - t0;
         for (int64_t i0 = first * G; i0 < nq; i0 += QR) {
             const float *qr[QR];
+            int64_t row[QR]; /* each one's query head; past nq, a copy of i0 (never stored) */
             int last[QR], lmax = 0;
             for (int r = 0; r < QR; r++) {
-                const int64_t i = i0 + r < nq ? i0 + r : i0, t = t0 + i / G, pos = p + t;
+                const int64_t i = row[r] = i0 + r < nq ? i0 + r : i0, t = t0 + i / G, pos = p + t;
                 qr[r] = q + ((start + t) * Hq + hk * G + i % G) * D;
                 last[r] = pos - k0 < n - 1 ? (int)(pos - k0) : n - 1; /* keys 0..last seen */
                 lmax = last[r] > lmax ? last[r] : lmax;
@@ -80,7 +81,7 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
                 }
             float w[QR][KB], corr[QR];
             for (int r = 0; r < QR; r++) {
-                const int64_t i = i0 + r < nq ? i0 + r : i0;
+                const int64_t i = row[r];
                 vf top = (vf){0} + m[i];
                 for (int u = 0; u < NV; u++) {
                     s[r][u] = (s[r][u] + s1[r][u]) * scale;
@@ -103,7 +104,7 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
             }
             vf a[QR][MAX_ND];
             for (int r = 0; r < QR; r++)
-                for (int c = 0; c < nd; c++) a[r][c] = acc[i0 + r < nq ? i0 + r : i0][c] * corr[r];
+                for (int c = 0; c < nd; c++) a[r][c] = acc[row[r]][c] * corr[r];
             for (int j = 0; j <= lmax; j++) /* w is 0 past a row's last key */
                 for (int c = 0; c < nd; c++) {
                     const vf vv = load(v[j] + c * VL);

@@ -59,12 +59,6 @@ static void tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64
 #if MR > 6
     CASE(6) CASE(7)
 #endif
-#if MR > 8
-    CASE(8) CASE(9)
-#endif
-#if MR > 10
-    CASE(10) CASE(11)
-#endif
     default: tile(MR, x, ldx, w, K, t); break;
     }
 #undef CASE
