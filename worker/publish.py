@@ -14,44 +14,13 @@ PEEK shard ids); then the finished shards end and the flagged ones are canceled.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from results import keys, store
 from results.publisher import Batch
 
-from . import shards
+from .attempts import Active
 
 PEEK = 64  # shard ids looked at per queue for a job the engine runs nothing of (8 jobs' windows)
-
-
-@dataclass(slots=True)
-class Active:
-    """An attempt of a shard whose requests are in the engine, under its own tag."""
-    claim: shards.Claim
-    left: dict[int, int]  # item index -> samples not finished yet
-    remaining: int  # samples to finish in this attempt
-    deadline: float  # monotonic time of the job timeout
-    stored: int = 0  # samples this attempt stored (an attempt that stored some is no poison)
-    failed_items: set[int] = field(default_factory=set)
-    # Unsent deltas: text, token ids, logprobs records (None when not asked).
-    pending: dict[tuple[int, int], tuple[str, list[int], list[dict] | None]] = field(default_factory=dict)
-    streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
-    max_batch_jobs: int = 0
-    custom_ids: list[str | None] | None = None  # per item of the shard, for its stream entries
-
-    @property
-    def tag(self) -> str:
-        """The shard's rq job id and this attempt's number: the events of an attempt that was
-        dropped here (reaped meanwhile) or aborted, still on their way out of the engine,
-        never count for a later attempt of the same shard on this worker."""
-        return f"{self.claim.job.id}#{self.claim.attempt}"
-
-    @property
-    def job_id(self) -> str:
-        return self.claim.job_id
-
-    def custom_id(self, index: int) -> str | None:
-        return self.custom_ids[index - self.claim.lo] if self.custom_ids else None
 
 
 def sample_record(ev) -> dict:
