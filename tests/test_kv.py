@@ -170,9 +170,9 @@ def test_eviction_is_lru_whatever_the_tree_went_through():
             if op < 0.5:
                 n = rng.randrange(1, 6) * ps
                 ids = [rng.randrange(4) for _ in range(n)]
-                already = cache.insert(ids, torch.arange(slot, slot + n))
+                already, node = cache.insert(ids, torch.arange(slot, slot + n))
                 slot += n
-                _, node = cache.match_prefix(ids)
+                assert cache.match_prefix(ids)[1] is node  # insert's node ends at ids' last token
                 if rng.random() < 0.3:
                     cache.lock(node)
                     locked.append(node)

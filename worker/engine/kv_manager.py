@@ -142,10 +142,11 @@ class KVManager:
             return
         row = req.req_pool_idx
         ids = req.fill_ids[:aligned]
-        already = self.cache.insert(ids, self.table[row, :aligned])
-        self.alloc.free(self._pages(row, req.prefix_len, already))  # duplicates of cached pages
-        slots, node = self.cache.match_prefix(ids)
-        self.table[row, :aligned] = slots
+        already, node = self.cache.insert(ids, self.table[row, :aligned])
+        if already > req.prefix_len:  # another request cached some of it since: take the tree's pages
+            self.alloc.free(self._pages(row, req.prefix_len, already))
+            self.table[row, :aligned] = self.cache.match_prefix(ids)[0]
+        # (otherwise the row already holds the tree's slots: its borrowed prefix, then its own)
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, aligned

@@ -111,13 +111,14 @@ class RadixCache:
         upper.children[self._child_key(node.key, 0)] = node
         return upper
 
-    def insert(self, ids: list[int], slots: torch.Tensor) -> int:
-        """Insert a page-aligned prefix. Returns how many leading tokens were already cached:
-        the caller owns (and must free) its own slots for those tokens unless they are the
-        very slots it borrowed from the tree."""
+    def insert(self, ids: list[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
+        """Insert a page-aligned prefix. Returns how many leading tokens were already cached
+        (the caller owns, and must free, its own slots for those tokens unless they are the
+        very slots it borrowed from the tree) and the node that ends at ids' last token (the
+        one match_prefix(ids) would return)."""
         assert len(ids) % self.page_size == 0 and len(ids) == len(slots)
         if not self.enabled:
-            return 0
+            return 0, self.root
         node, i = self.root, 0
         now = next(self._clock)
         while i < len(ids):
@@ -129,14 +130,14 @@ class RadixCache:
                 self.nodes += 1
                 self.cached_pages += (len(ids) - i) // self.page_size
                 self._push(new)  # its parent, a leaf no more, keeps a stale entry
-                return i
+                return i, new
             n = self._prefix_len(child.key, ids, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
             node, i = child, i + n
         self._push(node)
-        return i
+        return i, node
 
     def lock(self, node: TreeNode) -> None:
         while node is not self.root:
