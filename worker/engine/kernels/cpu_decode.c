@@ -41,11 +41,14 @@ INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, co
                the pool, and a hardware prefetcher stops at each 4 KB page of memory): keys h,
                h + Hq, ... of it by head h, so that the fetches are spread over the block's
                work instead of queued at its start (64 rows x 300 keys, Intel 2-core: 1.73 ->
-               1.19 ms a layer, ~25 GB/s of the ~27 this machine streams). */
+               1.19 ms a layer, ~25 GB/s of the ~27 this machine streams). Into L2, not L1:
+               this block's runs and the next's (2 x 24 KB on SmolLM2) overflow a 32 KB L1,
+               and the fetched lines pushed out the ones the next heads were about to read
+               (AMD 2-core, 32 KB L1: 2.4 -> 1.4 ms a layer, 12 -> ~21 GB/s of ~28). */
             for (int64_t j = p0 + KB + h; j < p0 + 2 * KB && j < len; j += Hq)
                 for (int64_t o = 0; o < run; o += 64 / sizeof(float)) {
-                    __builtin_prefetch(kc + slots[j] * run + o);
-                    __builtin_prefetch(vc + slots[j] * run + o);
+                    __builtin_prefetch(kc + slots[j] * run + o, 0, 2);
+                    __builtin_prefetch(vc + slots[j] * run + o, 0, 2);
                 }
             vf q[MAX_ND];
             for (int c = 0; c < nd; c++) q[c] = load(qb + h * D + c * VL);
