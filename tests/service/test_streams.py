@@ -116,8 +116,11 @@ def test_a_thousand_streams_on_one_api_process_every_event_delivered(service):
 def test_past_the_limit_a_clear_logged_503(service, tmp_path):
     api, url = start_api(service["server"].url, tmp_path, "api-limited", env={"FANOUT_MAX_STREAMS": "3"})
     try:
-        job = httpx.post(url + "/v1/jobs", json={"prompts": ["held open"], "sampling_params": {
-            "max_new_tokens": 1000, "ignore_eos": True}}).json()["id"]
+        # 64 rows of 1,000 tokens: seconds of work, so the held streams are open when the
+        # fourth comes (a single row ran to its end in ~1 s on a fast machine).
+        body = {"prompts": [f"held open {i}" for i in range(8)],
+                "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "n": 8}}
+        job = httpx.post(url + "/v1/jobs", json=body).json()["id"]
 
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -138,7 +141,14 @@ def test_past_the_limit_a_clear_logged_503(service, tmp_path):
         assert chat_over.json()["error"]["code"] == "too_many_streams"
         # No job was made for the refused chat.
         assert len(httpx.get(url + "/v1/jobs", params={"limit": 100}).json()["data"]) == jobs_before
-        assert all(g[-1][2]["status"] == "canceled" for g in got)  # the three held ones went on to the end
+        # The three held ones went on to the end: every entry of the job's stream, closed by
+        # its final status (canceled, or succeeded if the job beat the cancel on a fast machine).
+        want = [i.decode() for i, _ in service["redis"].xrange(keys.stream(job))]
+        final = httpx.get(f"{url}/v1/jobs/{job}").json()["status"]
+        assert final in ("canceled", "succeeded")
+        for g in got:
+            assert [i for i, _, _ in g] == want
+            assert g[-1][2]["type"] == "status" and g[-1][2]["status"] == final
         wait_for(lambda: "refused a stream" in (tmp_path / "api-limited.log").read_text(), 10, "the log line")
     finally:
         api.stop()
