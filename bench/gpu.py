@@ -37,6 +37,7 @@ if "--dry-run" in sys.argv or not torch.cuda.is_available():  # Triton on a CPU:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import triton  # noqa: E402
+import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.engine import run_ours, toy_a  # noqa: E402
@@ -101,7 +102,8 @@ def environment(dev, cfg, peak_tbs):
     nominal = peak_tbs * 1e12 if peak_tbs else next(
         (v for k, v in NOMINAL_PEAK.items() if k in name), None)
     return dict(device=name, torch=torch.__version__, triton=triton.__version__,
-                copy_bw=copy_bw, nominal_peak_bw=nominal, peak_bw=nominal or copy_bw)
+                transformers=transformers.__version__, copy_bw=copy_bw, nominal_peak_bw=nominal,
+                peak_bw=nominal or copy_bw)
 
 
 # -- kernels vs their torch references on the device ---------------------------------------
@@ -271,7 +273,7 @@ def synthetic_decode(engine, bs, ctx):
         logits_idx=torch.arange(bs, device=dev))
 
     def release():
-        table[r].zero_()
+        table[r] = 0
         for row in rows:
             runner.req_to_token.free(row)
         kv.allocator.free(pages)
@@ -340,9 +342,12 @@ def step_overhead(engine, cfg, vocab, dev):
             for bs in cfg["overhead_sizes"]:
                 engine.flush_cache()
                 work = prompts(bs, cfg["step_ctx"] // 2, cfg["step_ctx"], vocab, seed=bs)
+                # Decodes ride along while the prompts are prefilled, a chunk a step: the first
+                # rows must outlive the last prefill, or no step decodes all bs rows.
+                prefill_steps = -(-sum(map(len, work)) // engine.config.max_prefill_tokens)
                 box = []
                 engine.add("overhead", [(i, None, ids) for i, ids in enumerate(work)],
-                           SamplingParams(max_new_tokens=cfg["overhead_new"], temperature=0,
+                           SamplingParams(max_new_tokens=cfg["overhead_new"] + prefill_steps, temperature=0,
                                           ignore_eos=True), sink=box.append)
                 steps = []
                 while engine.has_work():
@@ -352,6 +357,8 @@ def step_overhead(engine, cfg, vocab, dev):
                     if "decode" in spent and len(engine.scheduler.running) == bs:
                         steps.append((time.perf_counter() - t, spent["decode"]))
                 tokens[(overlap, bs)] = sorted((e.index, e.token_ids) for e in box if e.finished)
+                if not steps:
+                    raise RuntimeError(f"no decode step ran all {bs} rows (overlap={overlap})")
                 step = statistics.median(s for s, _ in steps)
                 fwd = statistics.median(f for _, f in steps)
                 rows.append(dict(overlap=overlap, bs=bs, steps=len(steps), step_ms=step * 1e3,
@@ -475,8 +482,8 @@ def table(res) -> str:
     env, t = res.get("env", {}), res.get("targets", {})
     kind = "dry run, figures not meaningful" if res["dry_run"] else "measured"
     lines = [f"# GPU check: {env.get('device')} ({kind})", "",
-             f"torch {env.get('torch')}, triton {env.get('triton')}; copy bandwidth "
-             f"{env.get('copy_bw', 0) / 1e12:.2f} TB/s; peak used {env.get('peak_bw', 0) / 1e12:.2f} TB/s",
+             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}; "
+             f"copy bandwidth {env.get('copy_bw', 0) / 1e12:.2f} TB/s; peak used {env.get('peak_bw', 0) / 1e12:.2f} TB/s",
              "", "| check | result | target |", "|---|---|---|"]
     row = lines.append
     if "kernels" in res:
@@ -559,6 +566,21 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     state = {}
 
+    def write():
+        """gpu.json and gpu.md as they stand: rewritten after every section, so a run cut
+        short (a time limit, an OOM kill, a hang) keeps what it measured."""
+        res["targets"] = targets(res)
+        res["correct"] = correct(res)
+        res["seconds"] = time.perf_counter() - t0
+        os.makedirs(args.out, exist_ok=True)
+        text = table(res)
+        for name, body in (("gpu.json", json.dumps(res, indent=1, default=str)), ("gpu.md", text)):
+            path = os.path.join(args.out, name)
+            with open(path + ".tmp", "w") as f:
+                f.write(body)
+            os.replace(path + ".tmp", path)  # a kill mid-write leaves the last whole file
+        return text
+
     def section(name, fn):
         print(f"== {name}", flush=True)
         t = time.perf_counter()
@@ -568,6 +590,7 @@ def main(argv=None) -> int:
             res["errors"][name] = traceback.format_exc()
             print(res["errors"][name], file=sys.stderr, flush=True)
         res["section_s"][name] = time.perf_counter() - t
+        write()
 
     section("env", lambda: environment(dev, cfg, args.peak_tbs))
     section("kernels", lambda: kernel_checks(dev, cfg))
@@ -601,16 +624,7 @@ def main(argv=None) -> int:
         section("step_overhead", lambda: step_overhead(engine, cfg, vocab, dev))
         section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
     section("vision", lambda: vision_check(dev, model_dir + "-vl"))
-    res["targets"] = targets(res)
-    res["correct"] = correct(res)
-    res["seconds"] = time.perf_counter() - t0
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    text = table(res)
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(write())
     return 0 if res["correct"] and not res["errors"] else 1
 
 

@@ -2,8 +2,10 @@
 in the interpreter, the graph runner's padding run eagerly), so it is ready for a GPU."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -60,3 +62,26 @@ def test_greedy_adjudication_catches_a_wrong_token(tiny_models):
     got = compare(bad, ref, batch, hf, cpu, tol=0.15)
     assert (got["exact"], got["near_tie"], got["mismatch"]) == (1, 0, 1)
     assert got["worst_margin"] > 1.0
+
+
+def test_a_run_killed_midway_keeps_the_sections_it_finished(tmp_path):
+    """The files are rewritten after every section: kill -9 after the kernels' section (as a
+    device's time limit or an OOM kill would) and the kernels' figures are there, whole."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--dry-run", "--out", str(out),
+           "--model-dir", str(tmp_path / "model")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "gpu.json").exists() or "kernels" not in json.loads((out / "gpu.json").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    res = json.loads((out / "gpu.json").read_text())
+    assert len(res["kernels"]) == 12 and all(k["ok"] for k in res["kernels"])
+    assert "vision" not in res and not res["correct"]  # cut short: not all checks ran
+    assert "12/12 ok" in (out / "gpu.md").read_text()

@@ -127,8 +127,8 @@ def extend_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [s, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,shd->hns", q[start:start + n].float(), k) * scale
-        q_pos = torch.arange(s - n, s)
-        visible = torch.arange(s)[None, :] <= q_pos[:, None]  # [n, s]
+        q_pos = torch.arange(s - n, s, device=q.device)
+        visible = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]  # [n, s]
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + n] = torch.einsum("hns,shd->nhd", p, v).to(q.dtype)
     return out
