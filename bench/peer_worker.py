@@ -189,7 +189,6 @@ class LlamaCpp:
         for a in range(0, len(rows), self.BATCH):
             chunk = rows[a:a + self.BATCH]
             for bi, (_, _, seq, _) in zip(self._decode(chunk), [r for r in chunk if r[3]]):
-                i = seq // n
                 for j in range(1, n):
                     L.llama_memory_seq_cp(mem, seq, seq + j, -1, -1)
                 for j in range(n):

@@ -11,7 +11,7 @@ import torch
 from worker.engine.attention.torch_backend import TorchBackend
 from worker.engine.attention.triton_backend import TritonBackend
 from worker.engine.batch import ForwardBatch, ForwardMode
-from worker.engine.kernels import cpu_build, cpu_decode, cpu_linear
+from worker.engine.kernels import cpu_build, cpu_linear
 from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref

@@ -27,6 +27,7 @@ FOLDER = os.path.dirname(os.path.abspath(__file__))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 _loaded: dict[str, ctypes.CDLL | None] = {}  # name: the library, or None once its build failed
+P, I64 = ctypes.c_void_p, ctypes.c_int64  # the kernels' argument types: pointers and sizes
 
 
 def _cpu_flags() -> str:
@@ -89,6 +90,17 @@ def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+def functions(name: str, fns: dict, signatures: dict) -> bool:
+    """Fill fns, once, with kernels/NAME.c's functions: signatures maps each key to bind()'s
+    (C name, argtypes[, restype]). False where the library cannot be built."""
+    if not fns:
+        lib = library(name)
+        if lib is None:
+            return False
+        fns.update({key: bind(lib, *sig) for key, sig in signatures.items()})
+    return True
 
 
 def head_dim_fits(lib: ctypes.CDLL, head_dim: int) -> bool:

@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from . import cpu_build
+from .cpu_build import I64, P
 
 MAX_HEAD_FLOATS = 16384  # Hq * D: a row's accumulators live on its thread's stack (64 KiB)
 
@@ -27,9 +28,8 @@ def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
         return None
     if not cpu_build.head_dim_fits(lib, head_dim):
         return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
     return cpu_build.bind(lib, "fanout_decode_attention",
-                          [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_float])
+                          [P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, ctypes.c_float])
 
 
 def decode_attention(fn, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from . import cpu_build
+from .cpu_build import I64, P
 
 def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     """The kernel as a ctypes function for a model of this dtype and these shapes, or None
@@ -23,13 +24,11 @@ def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     lib = cpu_build.library("cpu_extend")
     if lib is None:
         return None
-    i64 = ctypes.c_int64
-    qn = cpu_build.bind(lib, "fanout_extend_qn", [], i64)()
+    qn = cpu_build.bind(lib, "fanout_extend_qn", [], I64)()
     if num_heads // num_kv_heads > qn or not cpu_build.head_dim_fits(lib, head_dim):
         return None
-    p = ctypes.c_void_p
     return cpu_build.bind(lib, "fanout_extend_attention",
-                          [p, p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float])
+                          [P, P, P, P, P, I64, P, P, P, P, I64, I64, I64, I64, ctypes.c_float])
 
 
 def extend_attention(fn, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

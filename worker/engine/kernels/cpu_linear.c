@@ -72,53 +72,54 @@ static int64_t pass_rows(int64_t K) {
     return r < MR ? MR : r - r % MR;
 }
 
+/* One task's rows m0 .. m0 + mr of its NR columns (nc of them real): y = x W^T (+ bias) from
+   the panel w, or, given the up panel wu beside the gate panel w, y = silu(x Wg^T) * (x Wu^T)
+   (the MLP's first half, with no [M, 2N] product in between). */
+static void rows_out(int mr, const float *x, int64_t ldx, const float *w, const float *wu,
+                     int64_t K, const float *bias, float *y, int64_t ldy, int64_t nc) {
+    float t[MR][NR], u[MR][NR];
+    tile_rows(mr, x, ldx, w, K, t);
+    if (wu) {
+        tile_rows(mr, x, ldx, wu, K, u);
+        for (int m = 0; m < mr; m++)
+            for (int h = 0; h < NR; h += VL) {
+                const vf a = load(t[m] + h), b = load(u[m] + h);
+                store(t[m] + h, a / (1.0f + vexp(-a)) * b);
+            }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int64_t j = 0; j < nc; j++) y[m * ldy + j] = bias ? t[m][j] + bias[j] : t[m][j];
+}
+
+/* Every task: panel p of the weight (gate_up: gate panel p then up panel p) with every pass of
+   rows. */
+static void run(const float *x, int64_t M, int64_t K, int64_t ldx, const float *panels, int gate_up,
+                int64_t N, const float *bias, float *y, int64_t ldy) {
+    const int64_t P = (N + NR - 1) / NR, R = pass_rows(K), step = (gate_up ? 2 : 1) * K * NR;
+#pragma omp parallel
+    for (int64_t r0 = 0; r0 < M; r0 += R)
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t c0 = p * NR, nc = N - c0 < NR ? N - c0 : NR, end = r0 + R < M ? r0 + R : M;
+        const float *w = panels + p * step;
+        for (int64_t m0 = r0; m0 < end; m0 += MR)
+            rows_out(end - m0 < MR ? (int)(end - m0) : MR, x + m0 * ldx, ldx, w,
+                     gate_up ? w + K * NR : NULL, K, bias ? bias + c0 : NULL, y + m0 * ldy + c0,
+                     ldy, nc);
+    }
+}
+
 /* x [M, K] (row stride ldx), panels [ceil(N / NR), K, NR], bias [N] or NULL, y [M, N] (row
    stride ldy). */
 void fanout_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *panels,
                    int64_t N, const float *bias, float *y, int64_t ldy) {
-    const int64_t P = (N + NR - 1) / NR, R = pass_rows(K);
-#pragma omp parallel
-    for (int64_t r0 = 0; r0 < M; r0 += R)
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t c0 = p * NR, nc = N - c0 < NR ? N - c0 : NR, end = r0 + R < M ? r0 + R : M;
-        float t[MR][NR];
-        for (int64_t m0 = r0; m0 < end; m0 += MR) {
-            const int mr = end - m0 < MR ? (int)(end - m0) : MR;
-            tile_rows(mr, x + m0 * ldx, ldx, panels + p * K * NR, K, t);
-            for (int m = 0; m < mr; m++) {
-                float *ym = y + (m0 + m) * ldy + c0;
-                for (int64_t j = 0; j < nc; j++) ym[j] = bias ? t[m][j] + bias[c0 + j] : t[m][j];
-            }
-        }
-    }
+    run(x, M, K, ldx, panels, 0, N, bias, y, ldy);
 }
 
-/* The MLP's first half: y = silu(x Wg^T) * (x Wu^T), y [M, N]. panels interleaves the two
-   weights' panels, gate p then up p ([2 * ceil(N / NR), K, NR]), so a task reads both from
-   one run and writes its NR columns of y once, with no [M, 2N] product in between. */
+/* y = silu(x Wg^T) * (x Wu^T), y [M, N]. panels interleaves the two weights' panels, gate p
+   then up p ([2 * ceil(N / NR), K, NR]), so a task reads both from one run and writes its NR
+   columns of y once. */
 void fanout_linear_silu_mul(const float *x, int64_t M, int64_t K, int64_t ldx,
                             const float *panels, int64_t N, float *y, int64_t ldy) {
-    const int64_t P = (N + NR - 1) / NR, R = pass_rows(K);
-#pragma omp parallel
-    for (int64_t r0 = 0; r0 < M; r0 += R)
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t c0 = p * NR, nc = N - c0 < NR ? N - c0 : NR, end = r0 + R < M ? r0 + R : M;
-        const float *wg = panels + 2 * p * K * NR, *wu = wg + K * NR;
-        float g[MR][NR], u[MR][NR];
-        for (int64_t m0 = r0; m0 < end; m0 += MR) {
-            const int mr = end - m0 < MR ? (int)(end - m0) : MR;
-            tile_rows(mr, x + m0 * ldx, ldx, wg, K, g);
-            tile_rows(mr, x + m0 * ldx, ldx, wu, K, u);
-            for (int m = 0; m < mr; m++) {
-                for (int h = 0; h < NR; h += VL) {
-                    const vf a = load(g[m] + h), b = load(u[m] + h);
-                    const vf out = a / (1.0f + vexp(-a)) * b;
-                    store(g[m] + h, out);
-                }
-                memcpy(y + (m0 + m) * ldy + c0, g[m], nc * sizeof(float));
-            }
-        }
-    }
+    run(x, M, K, ldx, panels, 1, N, NULL, y, ldy);
 }

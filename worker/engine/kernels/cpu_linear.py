@@ -14,12 +14,12 @@ one call that writes silu(gate) * up (`pack_gate_up`, `silu_mul`).
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from . import cpu_build
+from .cpu_build import I64, P
 
 
 @dataclass(slots=True)
@@ -35,21 +35,15 @@ _fns: dict[str, object] = {}
 
 def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
-    if not _fns:
-        lib = cpu_build.library("cpu_linear")
-        if lib is None:
-            return False
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _fns["nr"] = cpu_build.bind(lib, "fanout_linear_nr", [], i64)()
-        _fns["linear"] = cpu_build.bind(lib, "fanout_linear", [p, i64, i64, i64, p, i64, p, p, i64])
-        _fns["silu_mul"] = cpu_build.bind(lib, "fanout_linear_silu_mul",
-                                          [p, i64, i64, i64, p, i64, p, i64])
-    return True
+    return cpu_build.functions("cpu_linear", _fns, {
+        "nr": ("fanout_linear_nr", [], I64),
+        "linear": ("fanout_linear", [P, I64, I64, I64, P, I64, P, P, I64]),
+        "silu_mul": ("fanout_linear_silu_mul", [P, I64, I64, I64, P, I64, P, I64])})
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
     """[n, k] -> [ceil(n / NR), k, NR], the last panel's missing columns zero."""
-    nr = _fns["nr"]
+    nr = _fns["nr"]()
     n, k = weight.shape
     padded = torch.zeros(-(-n // nr) * nr, k, dtype=torch.float32)
     padded[:n] = weight

@@ -7,24 +7,17 @@ value once, in registers, to the same bits.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import cpu_build
+from .cpu_build import I64, P
 
 _fns: dict[str, object] = {}
 
 
 def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
-    if not _fns:
-        lib = cpu_build.library("cpu_noise")
-        if lib is None:
-            return False
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _fns["uniform"] = cpu_build.bind(lib, "fanout_seeded_uniform", [p, i64, p, i64, p])
-    return True
+    return cpu_build.functions("cpu_noise", _fns, {"uniform": ("fanout_seeded_uniform", [P, I64, P, I64, P])})
 
 
 def seeded_uniform(row_keys: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:

@@ -13,22 +13,16 @@ import ctypes
 import torch
 
 from . import cpu_build
+from .cpu_build import I64, P
 
 _fns: dict[str, object] = {}
 
 
 def load() -> bool:
     """Whether the kernels are here (built, or built now); False where they cannot be built."""
-    if not _fns:
-        lib = cpu_build.library("cpu_pointwise")
-        if lib is None:
-            return False
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _fns["add_rmsnorm"] = cpu_build.bind(lib, "fanout_add_rmsnorm",
-                                             [p, p, p, p, i64, i64, ctypes.c_float])
-        _fns["rope_store"] = cpu_build.bind(lib, "fanout_rope_store",
-                                            [p, i64, i64, p, p, i64, i64, i64, p, p, p, p])
-    return True
+    return cpu_build.functions("cpu_pointwise", _fns, {
+        "add_rmsnorm": ("fanout_add_rmsnorm", [P, P, P, P, I64, I64, ctypes.c_float]),
+        "rope_store": ("fanout_rope_store", [P, I64, I64, P, P, I64, I64, I64, P, P, P, P])})
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
