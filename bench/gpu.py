@@ -482,8 +482,9 @@ def table(res) -> str:
     env, t = res.get("env", {}), res.get("targets", {})
     kind = "dry run, figures not meaningful" if res["dry_run"] else "measured"
     lines = [f"# GPU check: {env.get('device')} ({kind})", "",
-             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}; "
-             f"copy bandwidth {env.get('copy_bw', 0) / 1e12:.2f} TB/s; peak used {env.get('peak_bw', 0) / 1e12:.2f} TB/s",
+             f"torch {env.get('torch')}, triton {env.get('triton')}, "
+             f"transformers {env.get('transformers')}; copy bandwidth {env.get('copy_bw', 0) / 1e12:.2f} TB/s; "
+             f"peak used {env.get('peak_bw', 0) / 1e12:.2f} TB/s",
              "", "| check | result | target |", "|---|---|---|"]
     row = lines.append
     if "kernels" in res:

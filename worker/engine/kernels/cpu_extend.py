@@ -14,6 +14,7 @@ import torch
 from . import cpu_build
 from .cpu_build import I64, P
 
+
 def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     """The kernel as a ctypes function for a model of this dtype and these shapes, or None
     where it cannot be built or take them: fp32 only, a kv head's query heads within one task
