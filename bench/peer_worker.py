@@ -62,10 +62,11 @@ class Fanout:
     def __init__(self, model: str, threads: int):
         sys.path.insert(0, ROOT)
         import torch
-        from worker.engine import Engine, SamplingParams
+        from worker.engine import Engine, SamplingParams, freeze_gc
         torch.set_num_threads(threads)
         self.sp = SamplingParams
         self.engine = Engine(model, device="cpu", dtype="float32", overlap_schedule=self.overlap)
+        freeze_gc()  # as the worker does
 
     def run(self, prompts, m, n, temperature, seed):
         self.engine.flush_cache()

@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from worker.engine import Engine, SamplingParams  # noqa: E402
+from worker.engine import Engine, SamplingParams, freeze_gc  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model  # noqa: E402
 from bench.out_file import save  # noqa: E402
 
@@ -52,6 +52,7 @@ def main() -> None:
                for i in range(args.items)]
     kv = args.kv_tokens or None
     run(model, prompts[:500], True, kv)  # warm-up: the first engine in a process pays one-time costs
+    freeze_gc()  # the libraries' objects, as a worker freezes them once its engine is loaded
     pairs = []
     for p in range(args.pairs):
         on, off = run(model, prompts, True, kv), run(model, prompts, False, kv)

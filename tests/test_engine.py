@@ -1,5 +1,9 @@
 """The engine against Hugging Face transformers on the same weights, and its scheduling."""
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -412,3 +416,26 @@ def test_a_text_the_tokenizer_cannot_take_fails_its_item_alone(llama_path):
     assert [it.samples[0].finish_reason for it in out] == ["length", "error", "length"]
     assert out[1].samples[0].error.startswith("messages[1]: cannot be encoded")
     eng.check()
+
+
+def test_freeze_gc_takes_a_loaded_engine_out_of_the_full_collections(llama_path):
+    """In a process of its own, as the worker: what the engine, torch and the tokenizer made
+    is frozen, a full collection then walks only what came later, and the engine still gives
+    the tokens it gave before."""
+    code = f"""
+import gc, json
+from worker.engine import Engine, SamplingParams, freeze_gc
+engine = Engine({llama_path!r}, device="cpu")
+sp = SamplingParams(max_new_tokens=8, temperature=0)
+before = engine.generate(prompts=["hello there"], sampling_params=sp)[0].samples[0].token_ids
+tracked = len(gc.get_objects())
+frozen = freeze_gc()
+print(json.dumps(dict(tracked=tracked, frozen=frozen, after=len(gc.get_objects()),
+                      same=engine.generate(prompts=["hello there"], sampling_params=sp)[0].samples[0].token_ids == before)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["tracked"] > 100_000 and got["frozen"] >= got["tracked"] // 2, got
+    assert got["after"] < got["tracked"] // 100 and got["same"], got

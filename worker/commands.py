@@ -102,13 +102,14 @@ def served_name(model: str) -> str:
 
 def cmd_worker(args) -> None:
     from worker.consumer import Consumer
-    from worker.engine import Engine
+    from worker.engine import Engine, freeze_gc
 
     logs.setup()
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
     settings = Settings.from_env()
     engine = Engine(args.model, engine_config(args))
+    freeze_gc()
     r = engine.runner
     logging.getLogger("fanout.worker").info(
         "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
@@ -304,11 +305,12 @@ def cmd_generate(args) -> None:
     """Offline: the engine in this process, no Redis or API."""
     from tqdm import tqdm
 
-    from worker.engine import Engine
+    from worker.engine import Engine, freeze_gc
     from worker.publish import sample_record
 
     spec = job_spec(job_body(args.input, args), args.input)  # the job a worker would run
     engine = Engine(args.model, engine_config(args))
+    freeze_gc()
     kind, items, params = spec.kind, spec.items, spec.sampling_params
     if kind == "messages":  # as the worker does: the engine renders chats (images expanded)
         items = [[m.chat_dict() for m in chat] for chat in items]

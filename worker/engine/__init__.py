@@ -7,7 +7,7 @@ from importlib import import_module
 
 _WHERE = {"Engine": ".engine", "EngineConfig": ".config", "EngineError": ".executor", "Event": ".events",
           "ItemResult": ".events", "SampleResult": ".events", "Usage": ".events",
-          "SamplingParams": ".sampling_params"}
+          "SamplingParams": ".sampling_params", "freeze_gc": ".engine"}
 
 __all__ = list(_WHERE)
 
