@@ -70,6 +70,8 @@ class KVManager:
     def alloc_extend(self, req: Req, n: int) -> torch.Tensor | None:
         """Slots for positions [alloc_len, alloc_len + n), evicting cached pages if needed."""
         start, end = req.alloc_len, req.alloc_len + n
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.table.device)
         need = self.pages_for(req, n)
         if need > self.alloc.num_free:
             self.evict(need - self.alloc.num_free)
@@ -77,15 +79,14 @@ class KVManager:
         if pages is None:
             return None
         row = self.table[req.req_pool_idx]
-        pos = torch.arange(start, end)
-        first_new = _cdiv(start, self.ps) * self.ps  # first position on a new page
-        slots = torch.empty(n, dtype=torch.int64)
-        old = pos < first_new
-        if old.any():  # fill the rest of the last, partly used page
-            slots[old] = row[start - 1].cpu() + 1 + (pos[old] - start)
-        if need:
-            new_pos = pos[~old] - first_new
-            slots[~old] = torch.tensor(pages)[new_pos // self.ps] * self.ps + new_pos % self.ps
+        tail = min(n, _cdiv(start, self.ps) * self.ps - start)  # what fits on the last, partly used page
+        parts = []
+        if tail:
+            last = int(row[start - 1]) + 1
+            parts.append(torch.arange(last, last + tail))
+        if need:  # whole new pages, the last one cut at end
+            parts.append((torch.tensor(pages)[:, None] * self.ps + torch.arange(self.ps)).flatten()[:n - tail])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
         slots = slots.to(self.table.device)
         row[start:end] = slots
         req.alloc_len = end
