@@ -142,7 +142,7 @@ class KVManager:
         if not self.cache.enabled or aligned <= req.prefix_len:
             return
         row = req.req_pool_idx
-        ids = req.fill_ids[:aligned]
+        ids = req.tokens(0, aligned)
         already, node = self.cache.insert(ids, self.table[row, :aligned])
         if already > req.prefix_len:  # another request cached some of it since: take the tree's pages
             self.alloc.free(self._pages(row, req.prefix_len, already))

@@ -75,10 +75,13 @@ class RadixCache:
 
     def _prefix_len(self, key, ids, start) -> int:
         """Common length of key and ids[start:], in whole pages."""
-        n = 0
         limit = min(len(key), len(ids) - start)
-        while n < limit and key[n] == ids[start + n]:
-            n += 1
+        if key[:limit] == tuple(ids[start:start + limit]):  # the usual case, compared in C
+            n = limit
+        else:
+            n = 0
+            while key[n] == ids[start + n]:  # stops before limit: they differ there
+                n += 1
         return n - n % self.page_size
 
     def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor | None, TreeNode]:
