@@ -430,8 +430,8 @@ sp = SamplingParams(max_new_tokens=8, temperature=0)
 before = engine.generate(prompts=["hello there"], sampling_params=sp)[0].samples[0].token_ids
 tracked = len(gc.get_objects())
 frozen = freeze_gc()
-print(json.dumps(dict(tracked=tracked, frozen=frozen, after=len(gc.get_objects()),
-                      same=engine.generate(prompts=["hello there"], sampling_params=sp)[0].samples[0].token_ids == before)))
+again = engine.generate(prompts=["hello there"], sampling_params=sp)[0].samples[0].token_ids
+print(json.dumps(dict(tracked=tracked, frozen=frozen, after=len(gc.get_objects()), same=again == before)))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

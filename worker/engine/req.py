@@ -47,9 +47,10 @@ class Req:
     # Extra info on the finish: the matched stop string or stop token.
     matched_stop: str | int | None = None
 
-    # KV state. The first alloc_len positions have slots in req_to_token; kv_len tokens of
-    # fill_ids have their KV in the pool, the first prefix_len of those borrowed from the
-    # radix cache (locked at last_node). Invariant: prefix_len <= kv_len <= alloc_len.
+    # KV state. The first alloc_len positions have slots in req_to_token; the first kv_len
+    # of fill_ids (prompt + generated so far: the tokens whose KV it needs) have their KV in
+    # the pool, the first prefix_len of those borrowed from the radix cache (locked at
+    # last_node). Invariant: prefix_len <= kv_len <= alloc_len.
     req_pool_idx: int | None = None
     kv_len: int = 0
     prefix_len: int = 0
@@ -62,13 +63,8 @@ class Req:
     # Samples of one prompt share its warm-up's list.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    @property
-    def fill_ids(self) -> list[int]:
-        """Tokens whose KV the request needs: prompt + generated so far."""
-        return self.input_ids + self.output_ids
-
     def tokens(self, start: int, end: int) -> list[int]:
-        """fill_ids[start:end] without building fill_ids."""
+        """fill_ids[start:end], without building the whole list."""
         n = len(self.input_ids)
         if start >= n:
             return self.output_ids[start - n:end - n]
