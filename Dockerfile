@@ -28,6 +28,8 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/fanout \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api ./api
+COPY cli ./cli
+COPY jobs ./jobs
 COPY results ./results
 COPY worker ./worker
 # The parquet extra: Parquet datasets in, GET /v1/jobs/{id}/output?format=parquet out.

@@ -1,7 +1,7 @@
 """The FastAPI app. Stateless: run as many processes as you like behind one port
 (`fanout api --workers N`); all state is in Redis.
 
-    uvicorn --factory api.app:create_app       # settings from the environment (worker.settings)
+    uvicorn --factory api.app:create_app       # settings from the environment (jobs.settings)
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
 from results import blobs
-from worker.settings import Settings
+from jobs.settings import Settings
 
 from . import auth, metrics, openapi, streams, sweep, tenants, tokenize
 from .openai import batches

@@ -31,8 +31,8 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 from starlette.exceptions import HTTPException
 
 from results import blobs
-from worker.settings import Settings
-from worker.spec import JOB_FUNC, QUEUES
+from jobs.settings import Settings
+from jobs.spec import JOB_FUNC, QUEUES
 
 from . import batchfile, jobs, tenants
 from .schemas import JobRequest

@@ -30,8 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from results import blobs
-from worker import items
-from worker.settings import Settings
+from jobs import items
+from jobs.settings import Settings
 
 from . import jobs
 from .batchfile import FIELDS, BatchFileError, item_field, parquet_rows

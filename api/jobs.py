@@ -1,5 +1,5 @@
 """Jobs in Redis: submit, look up, cancel. Used by the API routes and the cron scheduler;
-the queue names and the item layout are in worker.spec, the shards in worker.shards.
+the queue names and the item layout are in jobs.spec, the shards in jobs.shards.
 
 Queues by priority: the worker always takes from `fanout-high` first, then `fanout`, then
 `fanout-low`. A job's shards are rq jobs that call `worker.consumer.fanout_job` with the job
@@ -24,9 +24,9 @@ from rq.serializers import JSONSerializer
 from results import blobs, events, keys, progress, publisher
 from results import listing as results_listing
 
-from worker import items, shards
-from worker.settings import Settings
-from worker.spec import QUEUES, JobSpec
+from jobs import items, shards
+from jobs.settings import Settings
+from jobs.spec import QUEUES, JobSpec
 
 from .lease import Lost
 from .schemas import JobRequest

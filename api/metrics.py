@@ -19,8 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from rq import Queue
 from starlette.routing import compile_path
 
-from worker import logs
-from worker.spec import QUEUE_ORDER
+from jobs import logs
+from jobs.spec import QUEUE_ORDER
 
 REQUESTS = Counter("fanout_api_requests", "HTTP requests by method, route template and status code",
                    ["method", "route", "status"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from worker.settings import Settings
+from jobs.settings import Settings
 
 from .openai import models
 

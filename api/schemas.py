@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from worker.engine.sampling_params import SamplingParams, per_item
-from worker.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
+from jobs.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
 
 from .tenants import LIMITS
 
@@ -26,7 +26,7 @@ UNION_TAGS = frozenset({"one", "per_item"}) | CONTENT_TAGS
 
 
 class JobRequest(JobInput):
-    """The body of POST /v1/jobs: the items (worker.spec.JobInput) and how to run them;
+    """The body of POST /v1/jobs: the items (jobs.spec.JobInput) and how to run them;
     `sampling_params` is one object for all items or a list, one per item."""
     sampling_params: SamplingParamsField = Field(default_factory=SamplingParams)
     seed: int | None = Field(None, ge=0, lt=1 << 63, description=(

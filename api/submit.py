@@ -254,7 +254,7 @@ async def job_events(job_id: str, request: Request,
         await anyio.to_thread.run_sync(jobs.status_of, st.redis, job_id)
     except jobs.JobNotFound:
         raise _not_found(job_id) from None
-    # Only a job that keeps its items in the blob store has its stream trimmed (worker/shards.py).
+    # Only a job that keeps its items in the blob store has its stream trimmed (jobs/shards.py).
     trims = await st.aredis.hget(keys.info(job_id), "items_in") == b"store"
 
     key = keys.stream(job_id)
@@ -295,7 +295,7 @@ async def job_events(job_id: str, request: Request,
 
 
 async def _trimmed(st, job_id: str) -> str | None:
-    """The newest entry trimmed off the job's stream (worker/shards.py), read after a batch:
+    """The newest entry trimmed off the job's stream (jobs/shards.py), read after a batch:
     a follower whose last entry is older may have missed entries (of shards that finished:
     their items are in /results)."""
     trimmed = await st.aredis.hget(keys.info(job_id), "trimmed")

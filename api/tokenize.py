@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from results import keys
 from worker.engine.sampling_params import TokenId
-from worker.spec import Strict
+from jobs.spec import Strict
 
 from .openai import models
 from .openai.errors import OpenAIError

@@ -24,8 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from redis.exceptions import WatchError
 
 from results import blobs, events, keys, listing, progress, publisher
-from worker import items
-from worker.settings import Settings
+from jobs import items
+from jobs.settings import Settings
 
 from . import dataset, jobs, tenants
 from .batchfile import BatchFileError

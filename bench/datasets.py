@@ -41,9 +41,9 @@ import redis as redis_lib  # noqa: E402
 
 from bench.out_file import save  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model  # noqa: E402
-from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
-ME = [sys.executable, "-m", "worker.cli"]
+ME = [sys.executable, "-m", "cli.main"]
 TOKENS = 2
 
 

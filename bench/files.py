@@ -35,7 +35,7 @@ import redis as redis_lib  # noqa: E402
 
 from bench.out_file import save  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model  # noqa: E402
-from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
 
 
 def batch_file(path: str, lines: int) -> int:
@@ -62,7 +62,7 @@ def run(root: str, model: str, path: str, lines: int, work: str) -> dict:
     server = EmbeddedRedis()
     env = {**os.environ, "REDIS_URL": server.url, "PYTHONPATH": root, "FANOUT_STORAGE_URL": f"file://{work}/blobs",
            "FANOUT_BATCH_MAX_REQUESTS": str(lines)}
-    me = [sys.executable, "-m", "worker.cli"]
+    me = [sys.executable, "-m", "cli.main"]
     port = free_port()
     logs = open(os.path.join(work, "service.log"), "ab")
     worker = subprocess.Popen(me + ["worker", "--model", model, "--device", "cpu", "--drain-timeout", "0"],

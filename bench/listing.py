@@ -28,8 +28,8 @@ import redis as redis_lib  # noqa: E402
 from api import jobs  # noqa: E402
 from api.schemas import JobRequest  # noqa: E402
 from results import keys, listing  # noqa: E402
-from worker.redis_server import EmbeddedRedis  # noqa: E402
-from worker.settings import Settings  # noqa: E402
+from cli.redis_server import EmbeddedRedis  # noqa: E402
+from jobs.settings import Settings  # noqa: E402
 from bench.out_file import save  # noqa: E402
 
 

@@ -31,7 +31,7 @@ import redis  # noqa: E402
 
 from results import reader  # noqa: E402
 from service import prompts, spawn, wait  # noqa: E402  (bench/service.py)
-from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from bench.out_file import save  # noqa: E402
 
 

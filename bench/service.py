@@ -33,7 +33,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from results.client import Client  # noqa: E402
-from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from bench.out_file import save  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this "
@@ -59,7 +59,7 @@ def run_engine(engine, work, sp) -> dict:
 
 
 def spawn(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

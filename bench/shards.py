@@ -40,7 +40,7 @@ import redis  # noqa: E402
 from service import prompts, spawn, wait  # noqa: E402
 
 from results import events, keys  # noqa: E402
-from worker.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from bench.out_file import save  # noqa: E402
 
 

@@ -32,12 +32,12 @@ def custom_ids(job_id: str) -> str:
 
 def items(job_id: str) -> str:
     """List of the job's items, one element per shard (the JSON array of its items'
-    entries, worker.spec.JobSpec.layout): shard k reads element k; deleted when the job ends."""
+    entries, jobs.spec.JobSpec.layout): shard k reads element k; deleted when the job ends."""
     return f"{PREFIX}:job:{job_id}:items"
 
 
 def shards(job_id: str) -> str:
-    """Hash of the job's shard counters (worker/shards.py): total, released, ended, and per
+    """Hash of the job's shard counters (jobs/shards.py): total, released, ended, and per
     shard its claims (`claims:<k>`) and attempts that stored nothing (`strikes:<k>`)."""
     return f"{PREFIX}:job:{job_id}:shards"
 
@@ -107,7 +107,7 @@ def due_job(job_id: str, start: int, end: int) -> str:
 
 def items_blob(job_id: str, k: int) -> str:
     """In the blob store: shard k's items (JSON array of entries), for a job that keeps its
-    items there (worker/items.py)."""
+    items there (jobs/items.py)."""
     return f"jobs/{job_id}/items/{k}.json"
 
 

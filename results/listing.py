@@ -16,7 +16,7 @@ from . import keys
 STATUSES = ("validating", "queued", "scheduled", "running", "succeeded", "failed", "canceled")
 
 # Lua: set the job's state and move it to that state's index. Included in the scripts that
-# change a state (worker/shards.py, publisher._CLOSE); `info` the info hash key, `job` its id.
+# change a state (jobs/shards.py, publisher._CLOSE); `info` the info hash key, `job` its id.
 SET_STATE = """
 local function set_state(info, job, new)
   local listed = redis.call('HGET', info, 'listed')

@@ -95,7 +95,7 @@ class S3Server:
     the network to it (connections refused) and start() restores it, with what it held."""
 
     def __init__(self, log_dir):
-        from worker.redis_server import free_port
+        from cli.redis_server import free_port
         self.port, self.inner, self.log_dir, self.proc = free_port(), free_port(), log_dir, None
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",

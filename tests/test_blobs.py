@@ -99,7 +99,7 @@ def test_s3_that_refuses_or_is_down(s3_server, monkeypatch):
                                                "does not exist"):
         with store.writer("files/f") as w:
             w.write(b"x")
-    from worker.redis_server import free_port
+    from cli.redis_server import free_port
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     store = blobs.open_store("s3://bucket")
     t0 = time.monotonic()

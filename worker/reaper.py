@@ -5,7 +5,7 @@ heartbeat expires; its worker pushes it forward every third of the TTL. rq would
 expired ones failed in its maintenance (at a worker's start, then every 10 minutes), with no
 stream entries and no retry; the Fanout worker leaves that to this module instead
 (Consumer.clean_registries) and calls `reap` every few seconds: each expired shard is settled
-(worker/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
+(jobs/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
 flag), retried (it resumes on a live worker from its stored samples; a strike only if the
 dead attempt stored nothing) or, struck more often than the job's retries, failed with
 its job, with its stream entries; a terminal one exactly once.
@@ -20,8 +20,8 @@ from rq.utils import as_text, current_timestamp
 
 from results import keys
 
-from . import shards
-from .logs import about
+from jobs import shards
+from jobs.logs import about
 
 
 def reap(redis, queues: list[Queue], serializer, result_ttl: int, on_outage) -> list[tuple[str, str, str]]:

@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from redis.exceptions import WatchError
 
 from results import blobs, keys, progress, store
-from worker import items
-from worker.settings import Settings
+from jobs import items
+from jobs.settings import Settings
 
 from .. import jobs
 from ..lease import Lease, Lost

@@ -13,10 +13,10 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import ValidationError
 
-from worker import items
+from jobs import items
 from worker.engine.sampling_params import SamplingParams
-from worker.settings import Settings
-from worker.spec import CustomId
+from jobs.settings import Settings
+from jobs.spec import CustomId
 
 from .. import jobs
 from ..unique import Seen

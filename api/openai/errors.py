@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from worker.spec import CONTENT_TAGS
+from jobs.spec import CONTENT_TAGS
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches",
          "/tokenize", "/detokenize")  # the last two: vLLM's routes, with its (OpenAI's) errors

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from worker.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, StopString, TokenId
-from worker.settings import Settings
-from worker.spec import ImagePart, ImageURL, Message, NonEmptyStr, content_type
+from jobs.settings import Settings
+from jobs.spec import ImagePart, ImageURL, Message, NonEmptyStr, content_type
 
 from ..schemas import MetadataKey, MetadataValue, Priority, PromptTokenLogprob
 from .errors import OpenAIError

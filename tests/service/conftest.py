@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from worker.redis_server import EmbeddedRedis, free_port
+from cli.redis_server import EmbeddedRedis, free_port
 from worker.engine.models.tiny import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +67,7 @@ class Proc:
     def __init__(self, args, env, log_path):
         self.log_path = log_path
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:

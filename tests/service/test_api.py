@@ -242,7 +242,7 @@ def test_shard_settings_out_of_bounds_stop_the_api_naming_them(redis_url):
     import subprocess
     import sys
     for name in ("FANOUT_SHARD_SAMPLES", "FANOUT_SHARD_WINDOW"):
-        p = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", "1", "--redis-url", redis_url],
+        p = subprocess.run([sys.executable, "-m", "cli.main", "api", "--port", "1", "--redis-url", redis_url],
                            env={**os.environ, name: "0"}, capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and f"{name}: must be at least 1, got 0" in p.stderr, (p.returncode, p.stderr)
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from conftest import WorkerProc, start_api, wait_for
-from worker.redis_server import EmbeddedRedis, free_port
+from cli.redis_server import EmbeddedRedis, free_port
 from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
 
@@ -83,7 +83,7 @@ def test_an_api_with_another_store_than_its_redis_has_does_not_start(s3_service)
     import subprocess
     import sys
     env = {**os.environ, **s3_service["env"], "FANOUT_STORAGE_URL": "file:///tmp/elsewhere"}
-    p = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(free_port()), "--redis-url",
+    p = subprocess.run([sys.executable, "-m", "cli.main", "api", "--port", str(free_port()), "--redis-url",
                         s3_service["redis_url"]], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert (f"FANOUT_STORAGE_URL is file:///tmp/elsewhere but this Redis's files are in "
@@ -285,8 +285,8 @@ def test_the_builder_cuts_as_plan_does_and_what_an_abandoned_one_wrote_is_swept(
 
     from api import sweep
     from results import blobs
-    from worker import items
-    from worker.spec import plan
+    from jobs import items
+    from jobs.spec import plan
 
     server = EmbeddedRedis()
     r = redis_lib.Redis.from_url(server.url)

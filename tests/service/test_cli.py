@@ -13,12 +13,12 @@ import pytest
 import redis as redis_lib
 
 from api import batchfile, cron, jobs
-from worker.settings import Settings
+from jobs.settings import Settings
 from results import reader
 from results.client import Client
-from worker import commands
-from worker.cli import main, parser
-from worker.redis_server import EmbeddedRedis, free_port
+from cli import commands
+from cli.main import main, parser
+from cli.redis_server import EmbeddedRedis, free_port
 from worker.engine import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,7 +142,7 @@ def test_submit_run_again_follows_the_job_it_made(tmp_path, api_url, worker, cap
     tag = uuid.uuid4().hex  # a file no earlier run submitted
     src = write_lines(tmp_path / "long.jsonl", [{"prompt": f"{tag} {i}"} for i in range(4)])
     flags = ["--url", api_url, "--max-new-tokens", "200", "--ignore-eos"]
-    p = subprocess.Popen([sys.executable, "-m", "worker.cli", "submit", src, *flags], cwd=ROOT, text=True,
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", "submit", src, *flags], cwd=ROOT, text=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
     first = re.match(r"job (\w+) ", p.stderr.readline()).group(1)
     p.kill()  # interrupted: its job goes on
@@ -394,7 +394,7 @@ def test_errors_are_one_line_without_a_traceback(tmp_path, api_url):
          "--redis-port", str(free_port()), "--data-dir", str(tmp_path / "data")):
             "fanout up: the worker exited during start-up (exit code 1)",
     }
-    procs = {argv: subprocess.Popen([sys.executable, "-m", "worker.cli", *argv], env=_env(tmp_path), cwd=ROOT,
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=_env(tmp_path), cwd=ROOT,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for argv in cases}  # all at once: most of the time is Python starting
     for argv, want in cases.items():
@@ -416,7 +416,7 @@ class Up:
         self.port = free_port()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", "up", "--port", str(self.port), "--redis-port",
+                [sys.executable, "-m", "cli.main", "up", "--port", str(self.port), "--redis-port",
                  str(free_port()), *args], env=_env(tmp_path), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
     def output(self) -> str:

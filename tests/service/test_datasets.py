@@ -232,7 +232,7 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
 
     from api import sweep
     from conftest import start_api
-    from worker.redis_server import EmbeddedRedis
+    from cli.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis()
     lease = 5  # seconds (30 by default)

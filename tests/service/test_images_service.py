@@ -22,7 +22,7 @@ from results import keys, reader
 from results.client import Client
 from worker.engine import Engine, SamplingParams
 from worker.engine.models.tiny import build_tiny_llava
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 
 from conftest import WorkerProc, start_api
 
@@ -265,7 +265,7 @@ def test_a_text_model_refuses_image_parts_by_name(api_url, worker):
 def test_fanout_generate_offline_takes_images(llava, llava_engine, tmp_path):
     """`fanout generate` runs a messages file as the worker does: the engine renders the chats,
     so images are expanded and decoded (a bad one fails its item alone)."""
-    from worker.cli import main
+    from cli.main import main
     chats = [chat(data_url(seed=9), "what"), [{"role": "user", "content": "only text"}],
              chat("data:image/png;base64,bm90IGFuIGltYWdl")]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

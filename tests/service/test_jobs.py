@@ -96,7 +96,7 @@ def test_a_payload_that_does_not_parse_fails_at_once_without_retry(redis, worker
 
     from api import jobs
     from api.schemas import JobRequest
-    from worker.settings import Settings
+    from jobs.settings import Settings
 
     req = JobRequest(prompts=["a", "b"], sampling_params=[{"n": 1}, {"n": 2}], priority="high",
                      run_at=datetime.now(timezone.utc) + timedelta(seconds=2))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from results import reader
-from worker.cli import main
+from cli.main import main
 from worker.engine import SamplingParams
 
 PROMPTS = ["Hello", "def fibonacci(n):"]

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import WorkerProc, start_api, wait_for
 from results.client import Client
-from worker.redis_server import EmbeddedRedis, free_port
+from cli.redis_server import EmbeddedRedis, free_port
 
 PROMPTS = [f"item {i}: the quick brown fox jumps over the lazy dog, again and again" for i in range(3)]
 SP = {"max_new_tokens": 6, "ignore_eos": True}

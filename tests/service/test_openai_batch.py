@@ -13,7 +13,7 @@ import redis as redis_lib
 from api import tenants
 from conftest import WorkerProc, start_api
 from results import keys, reader
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 from worker.engine import SamplingParams
 
 

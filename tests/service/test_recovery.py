@@ -16,9 +16,9 @@ from api.schemas import JobRequest
 from conftest import WorkerProc, entries, start_api, wait_for
 from results import keys, reader
 from results.client import Client
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 from worker.engine import SamplingParams
-from worker.settings import Settings
+from jobs.settings import Settings
 
 TARGET_S = 45  # from the kill to the job succeeded (default TTL 30 s + reaping + the rest of the job)
 LIVE_TTL = 4  # the live workers' own TTL, which their jobs outlive
@@ -262,7 +262,7 @@ def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_abort
     from rq.serializers import JSONSerializer
 
     from worker import reaper
-    from worker.spec import QUEUE_ORDER
+    from jobs.spec import QUEUE_ORDER
 
     server = EmbeddedRedis()
     r = redis_lib.Redis.from_url(server.url)
@@ -308,7 +308,7 @@ def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(mo
 
     from worker import reaper
     from worker.consumer import Consumer
-    from worker.spec import QUEUE_ORDER
+    from jobs.spec import QUEUE_ORDER
 
     server = EmbeddedRedis()
     settings = Settings(redis_url=server.url, storage_url=f"file://{tmp_path}/blobs")

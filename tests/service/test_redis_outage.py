@@ -10,7 +10,7 @@ import redis as redis_lib
 from conftest import WorkerProc, start_api
 from results import keys, reader
 from results.client import Client
-from worker.redis_server import EmbeddedRedis, free_port
+from cli.redis_server import EmbeddedRedis, free_port
 from worker.engine import SamplingParams
 
 OUTAGE_S = 3

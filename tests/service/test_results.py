@@ -90,7 +90,7 @@ def test_shard_bounds_are_kept_as_runs_of_shard_sizes():
     from bisect import bisect_left, bisect_right
 
     from results.progress import Bounds
-    from worker.spec import plan
+    from jobs.spec import plan
     for ns in ([1] * 1_000_000, [1, 3, 2, 1, 1, 5, 1, 2] * 50, [8], []):
         plain = plan(ns, 64)
         b = Bounds.of(plain)

@@ -10,7 +10,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
                                  response_schema_conformance, status_code_conformance)
 
 from conftest import start_api
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 
 EXAMPLES = 50  # per operation
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

@@ -18,8 +18,8 @@ from results import keys, reader
 from results.client import Client
 from worker.engine import SamplingParams
 from worker.engine.models.tiny import build_tiny_model
-from worker.redis_server import EmbeddedRedis
-from worker.settings import Settings
+from cli.redis_server import EmbeddedRedis
+from jobs.settings import Settings
 
 TTL = 4  # the workers' heartbeat TTL: a killed worker's shards are reaped after it
 SHARDS = Settings(result_ttl=3600, shard_samples=8, shard_window=4)
@@ -171,8 +171,8 @@ def test_a_shard_taken_by_a_worker_that_dies_before_its_claim_is_queued_again(fl
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker import shards
-    from worker.spec import QUEUE_ORDER
+    from jobs import shards
+    from jobs.spec import QUEUE_ORDER
 
     r = fleet["redis"]
     for w in fleet["workers"]:

@@ -14,7 +14,7 @@ from api import tenants
 from api.streams import REVOKE_CHECK
 from conftest import WorkerProc, start_api, wait_for
 from results import keys
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 
 SSE_JOBS, SSE_PER_JOB, CHATS = 8, 100, 200  # 1,000 streams
 

@@ -18,7 +18,7 @@ import redis as redis_lib
 from api import tenants
 from conftest import ROOT, WorkerProc, start_api, wait_for
 from results.client import Client
-from worker.redis_server import EmbeddedRedis
+from cli.redis_server import EmbeddedRedis
 
 JOB = {"prompts": ["a b c"], "sampling_params": {"max_new_tokens": 4}}
 
@@ -28,7 +28,7 @@ def later(seconds=3600):
 
 
 def fanout(*args):
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
 
 

@@ -1,6 +1,6 @@
 """EngineConfig: every engine knob in one validated dataclass.
 
-`Engine(model, **kwargs)` builds one from its keywords; the CLI (`worker/flags.py`) makes one
+`Engine(model, **kwargs)` builds one from its keywords; the CLI (`cli/flags.py`) makes one
 flag per field from the names, defaults and `help` metadata here, so a new knob is one field.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 import httpx
 import redis
 
-from worker.redis_server import EmbeddedRedis, free_port, port_is_free
+from cli.redis_server import EmbeddedRedis, free_port, port_is_free
 
 ENV = os.environ.get
 
@@ -69,7 +69,7 @@ def _run_children(args, redis_url: str, model: str, worker_flags: list[str]) -> 
     # Files go under the data dir too, unless a store is named: the two commands need nothing else.
     storage = ENV("FANOUT_STORAGE_URL") or "file://" + os.path.join(os.path.abspath(args.data_dir), "blobs")
     env = {**os.environ, "REDIS_URL": redis_url, "FANOUT_STORAGE_URL": storage}
-    me = [sys.executable, "-m", "worker.cli"]
+    me = [sys.executable, "-m", "cli.main"]
     name = f"fanout-up-{socket.gethostname()}-{os.getpid()}"
     children = {"worker": me + ["worker", "--model", model, "--name", name,
                                 *worker_flags],

@@ -1,4 +1,4 @@
-"""What each `fanout` command does (worker/cli.py parses the command line and calls
+"""What each `fanout` command does (cli/main.py parses the command line and calls
 them): run the service (api, worker, cron, up), use it through the API (submit, status,
 results, cancel), manage API keys in Redis (keys), or generate offline (generate)."""
 from __future__ import annotations
@@ -20,9 +20,9 @@ import redis
 
 from api import batchfile, tenants
 from results import blobs, events
-from worker import logs
-from worker.settings import Settings
-from worker.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
+from jobs import logs
+from jobs.settings import Settings
+from cli.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
 
 def job_body(path: str, args) -> dict[str, Any]:
     """A POST /v1/jobs body: the batch file's items and the sampling flags."""
@@ -142,7 +142,7 @@ def cmd_cron(args) -> None:
 
 
 def cmd_up(args) -> None:
-    from worker import up
+    from cli import up
 
     up.run(args, worker_flags=forward(args, ENGINE_OPTIONS | WORKER_OPTIONS))
 

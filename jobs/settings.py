@@ -1,6 +1,5 @@
 """Service settings, read from the environment (the CLI's flags set the same variables).
-Shared by the API, the worker and the cron scheduler; it lives in worker/ so the worker
-never imports the web app."""
+Shared by the API, the worker and the cron scheduler (jobs/: neither imports the other)."""
 from __future__ import annotations
 
 import os

@@ -8,7 +8,7 @@ FANOUT_DELTA_INTERVAL, FANOUT_METRICS_PORT,
 FANOUT_LOG_FORMAT (json: one JSON object per log line).
 
 This module is the command line itself (its parser and main); what each command does is in
-worker/commands.py, how its flags are made in worker/flags.py.
+cli/commands.py, how its flags are made in cli/flags.py.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import redis
 from api import tenants
 from results.blobs import StoreError
 from results.client import ApiError
-from worker.commands import (cmd_api, cmd_cancel, cmd_cron, cmd_generate, cmd_keys, cmd_results, cmd_status,
+from cli.commands import (cmd_api, cmd_cancel, cmd_cron, cmd_generate, cmd_keys, cmd_results, cmd_status,
                              cmd_submit, cmd_up, cmd_worker)
-from worker.flags import (ENGINE_OPTIONS, ENV, WORKER_OPTIONS, add_options, default_device, metadata_arg,
+from cli.flags import (ENGINE_OPTIONS, ENV, WORKER_OPTIONS, add_options, default_device, metadata_arg,
                           model_flag, sampling_flags)
-from worker.redis_server import RedisStartError, default_data_dir
-from worker.settings import Settings
+from cli.redis_server import RedisStartError, default_data_dir
+from jobs.settings import Settings
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):

@@ -5,11 +5,11 @@ normalized to one per item, the job seed fixed). The job is cut into shards (`pl
 its items go to Redis as JSON entries (`layout`: one per item, the sampling parameters in
 the job's info hash when all items share them), one list element per shard that travel as rq jobs (JSON
 serializer, no pickles) naming `JOB_FUNC` with two keyword arguments, the job id and the
-shard number (worker/shards.py). A worker reads its shard's slice back as a `Shard` and
+shard number (jobs/shards.py). A worker reads its shard's slice back as a `Shard` and
 fails a payload that does not parse at once, without retry.
 
-This module lives in worker/ (the worker runs what it describes) and imports neither the
-web app nor torch.
+Like all of jobs/, it imports neither the web app nor the worker process, nor torch (the
+sampling parameters and tool names are the engine's pure definitions).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from .engine.sampling_params import SamplingParams, TokenId
-from .engine.tools import MAX_TOOLS, FunctionName
+from worker.engine.sampling_params import SamplingParams, TokenId
+from worker.engine.tools import MAX_TOOLS, FunctionName
 
 QUEUES = {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"}
 QUEUE_ORDER = [QUEUES["high"], QUEUES["normal"], QUEUES["low"]]  # a worker takes from the first non-empty

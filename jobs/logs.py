@@ -59,7 +59,7 @@ def uvicorn_config() -> dict:
     """uvicorn's log_config for JSON lines: its own loggers, the access log and the app's."""
     handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
     return {"version": 1, "disable_existing_loggers": False,
-            "formatters": {"json": {"()": "worker.logs.JsonFormatter"}},
+            "formatters": {"json": {"()": "jobs.logs.JsonFormatter"}},
             "handlers": {"default": handler},
             "loggers": {name: {"handlers": ["default"], "level": "INFO", "propagate": False}
                         for name in ("uvicorn", "uvicorn.access")},

@@ -2,9 +2,9 @@
 (`create`), the workers (`claim`, `settle`) and the reapers (`settle`).
 
 At submit the job is cut into shards of about FANOUT_SHARD_SAMPLES samples
-(worker.spec.plan) and its items go to its item list, one element per shard (the JSON
+(jobs.spec.plan) and its items go to its item list, one element per shard (the JSON
 array of its items' entries), or, past FANOUT_ITEMS_STORE_BYTES, to the blob store, one
-object per shard (worker/items.py). A shard travels as an rq job `<job id>-<k>` whose arguments
+object per shard (jobs/items.py). A shard travels as an rq job `<job id>-<k>` whose arguments
 name the job and k; its worker reads element k, or object k. A job keeps at most `window`
 shards queued: the first ones are enqueued at
 submit and every claim releases the next, so a job of a million items holds a window of

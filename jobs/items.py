@@ -1,5 +1,5 @@
-"""A job's items laid out by shard (the shard rule: worker.spec.plan): one JSON array of
-item entries per shard, kept in the job's Redis list (worker/shards.py) or, for a large
+"""A job's items laid out by shard (the shard rule: jobs.spec.plan): one JSON array of
+item entries per shard, kept in the job's Redis list (jobs/shards.py) or, for a large
 job, in the blob store, one object per shard (keys.items_blob), written at submit
 (store_items) or as a file's lines are read (Builder). A worker reads its shard's back
 (worker/consumer.py)."""
