@@ -11,12 +11,15 @@
 
 Each end is one transaction in Redis (shards.settle), applied once across outages.
 
-Invariant: `active` holds exactly the attempts this worker has claimed and not ended, each
-with its requests in the engine under its tag; every request of an attempt leaves the
-engine (done, aborted) before the attempt ends.
+`Attempts` owns `active`. Invariant: `active` holds exactly the attempts this worker has
+claimed and not ended, each with its requests in the engine under its tag, and rq's
+`executions` of the worker (member.py) the same attempts' executions; every request of an
+attempt leaves the engine (done, aborted) before the attempt ends.
 
-`Attempts` is part of the worker (worker/consumer.py): it uses its engine, connection,
-settings, metrics, `retrying` (worker/outage.py) and `record` (worker/publish.py).
+It uses the engine (add, abort), the worker's rq membership (member.py: its name, TTL,
+state and heartbeats), the Redis link (outage.py: retries, the exactly-once send) and the
+blob store; the loop (consumer.py), admission (admission.py) and publishing (publish.py)
+drive it.
 """
 from __future__ import annotations
 
@@ -30,12 +33,16 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.worker import WorkerStatus
 
+from jobs import shards
+from jobs.logs import JobLog
+from jobs.settings import Settings
+from jobs.spec import Shard
 from results import blobs, keys, progress, store
 from results.publisher import Batch
 
-from jobs import shards
-from jobs.logs import JobLog
-from jobs.spec import Shard
+from .member import Member
+from .metrics import WorkerMetrics
+from .outage import Link
 
 log = logging.getLogger("fanout.worker")
 
@@ -79,22 +86,28 @@ def _one_line(e: Exception) -> str:
 
 
 class Attempts:
-    def _busy(self, pipe) -> None:
-        self.set_state(WorkerStatus.BUSY, pipeline=pipe)
-        self.heartbeat(pipeline=pipe)
+    def __init__(self, engine, member: Member, link: Link, settings: Settings, metrics: WorkerMetrics):
+        self.engine = engine
+        self.member = member
+        self.link = link
+        self.connection = link.connection
+        self.settings = settings
+        self.metrics = metrics
+        self.blobs = blobs.open_store(settings.storage_url)  # the items of jobs that keep them there
+        self.active: dict[str, Active] = {}
 
     def start(self, job: Job, queue: Queue) -> None:
-        c = shards.claim(self.connection, job, queue, self.name, self.heartbeat_ttl, self._busy,
-                         self.wait_for_redis)
+        m = self.member
+        c = shards.claim(self.connection, job, queue, m.name, m.heartbeat_ttl, m.busy, self.link.wait_for_redis)
         if c is None:
             JobLog(log, job.id).info("not queued any more, or its job ended; skipped")
             return
-        self.executions[c.execution.id] = c.execution
+        m.executions[c.execution.id] = c.execution
         a = Active(c, left={}, remaining=0,
                    deadline=time.monotonic() + (job.timeout if job.timeout and job.timeout > 0 else 1e12))
         self.active[a.tag] = a
         try:
-            spec = self.retrying(self.read_shard, c)
+            spec = self.link.retrying(self.read_shard, c)
         except blobs.StoreError as e:  # away, or denying: held, no strike, until it answers again
             self.hold(a, f"{e} (the shard waits, tried again every {self.settings.shard_hold} s)")
             return
@@ -105,7 +118,7 @@ class Attempts:
         JobLog(log, c.job_id).info("shard %d (items %d-%d), attempt %d, %d samples stored before",
                                    c.k, c.lo, c.hi - 1, c.attempt, len(c.stored))
         batch = Batch(self.connection)
-        batch.info(c.job_id, model=self.model)
+        batch.info(c.job_id, model=m.model)
         batch.expire(c.job_id, self.settings.job_timeout + self.settings.result_ttl)
         todo, todo_params = [], []
         for local, (item, p) in enumerate(zip(spec.items, spec.sampling_params)):
@@ -136,6 +149,45 @@ class Attempts:
         if a.remaining == 0:
             self.succeed(a)
 
+    def record(self, batch: Batch, a: Active, index: int, sample: int, rec: dict,
+               text_delta: str = "", ids_delta: list[int] | None = None) -> None:
+        """Store and announce one finished sample (in `batch`, which the caller sends)."""
+        a.left[index] -= 1
+        a.remaining -= 1
+        a.stored += 1
+        if rec["finish_reason"] == "error":
+            a.failed_items.add(index)
+        self.metrics.sample(rec["finish_reason"], rec["usage"])
+        batch.final(a.job_id, index, sample, text_delta, ids_delta or [], rec,
+                    item_done=a.left[index] == 0, item_failed=index in a.failed_items,
+                    custom_id=a.custom_id(index))
+
+    def send(self, batch: Batch) -> list | None:
+        """`batch` sent exactly once (Link.send). After an outage that outlasted the TTL, the
+        heartbeat drops the attempts reaped meanwhile; if one of those this batch was
+        written for is gone, the others in it are handed back (they resume from what Redis
+        stored) and the batch is dropped: None."""
+        holding = list(self.active)
+
+        def still_ours() -> bool:
+            self.link.retrying(self.heartbeat)
+            if all(tag in self.active for tag in holding):
+                return True
+            for a in [a for a in self.active.values() if a.job_id in batch.jobs]:
+                self.hand_back(a, "redis was unavailable for too long; shard handed back")
+            return False
+
+        return self.link.send(batch, still_ours)
+
+    def heartbeat(self) -> None:
+        """Heartbeat the worker and every running attempt (Member.beat); an attempt whose
+        execution was reaped meanwhile runs elsewhere now, and is dropped here."""
+        for a in self.member.beat(list(self.active.values())):
+            if a.tag in self.active:
+                JobLog(log, a.job_id).warning("shard %d reaped while this worker could not heartbeat it; "
+                                              "dropped here", a.claim.k)
+                self.drop(a)
+
     def read_shard(self, c: shards.Claim) -> Shard:
         """The shard's items from the job's item list, or from the blob store (one shard's
         worth, tens of KB: read here, on the loop, between steps)."""
@@ -163,16 +215,16 @@ class Attempts:
 
     def _done(self, a: Active) -> None:
         del self.active[a.tag]
-        self.executions.pop(a.claim.execution.id, None)
+        self.member.executions.pop(a.claim.execution.id, None)
         if not self.active:
-            self.retrying(self.set_state, WorkerStatus.IDLE)
+            self.link.retrying(self.member.set_state, WorkerStatus.IDLE)
 
     def _settle(self, a: Active, outcome: str, error: str | None = None, on_pipe=None) -> str | None:
         """End this attempt of the shard in Redis (jobs/shards.py), once, across outages.
         A job that keeps its items in the blob store has its stream trimmed as shards end."""
         c = a.claim
         return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,
-                             self.settings.result_ttl, self.wait_for_redis, error=error,
+                             self.settings.result_ttl, self.link.wait_for_redis, error=error,
                              progressed=a.stored > 0, on_pipe=on_pipe,
                              trim=c.info.get("items_in") == "store", hold=self.settings.shard_hold)
 
@@ -184,7 +236,7 @@ class Attempts:
         if c.info.get("items_in") != "store":
             return None
         try:
-            return self.retrying(store.keep, self.connection, self.blobs, c.job_id,
+            return self.link.retrying(store.keep, self.connection, self.blobs, c.job_id,
                                  progress.Ns.decode(c.info["ns"]), c.k, c.lo, c.hi, a.custom_ids)
         except blobs.StoreError as e:
             JobLog(log, c.job_id).warning("shard %d: results kept in Redis: %s", c.k, e)
@@ -205,7 +257,7 @@ class Attempts:
         message = exc_string.strip().splitlines()[-1]
         applied = self._settle(a, shards.RETRY if retry else shards.FAILED, message)
         if applied == shards.FAILED:
-            self.retrying(shards.drop_queued, self.connection, a.job_id)
+            self.link.retrying(shards.drop_queued, self.connection, a.job_id)
             JobLog(log, a.job_id).warning("failed: %s", message)
             self.metrics.attempt("failed")
         elif applied == shards.RETRY:
@@ -217,7 +269,7 @@ class Attempts:
         n = self.engine.abort(a.tag)
         self._done(a)
         if self._settle(a, shards.CANCELED) is not None:
-            self.retrying(shards.drop_queued, self.connection, a.job_id)
+            self.link.retrying(shards.drop_queued, self.connection, a.job_id)
             JobLog(log, a.job_id).info("shard %d canceled, %d requests aborted", a.claim.k, n)
             self.metrics.attempt("canceled")
 
@@ -241,3 +293,36 @@ class Attempts:
         self.engine.abort(a.tag)
         self._done(a)
         self.metrics.attempt("dropped")
+
+    def time_out(self, t: float) -> None:
+        """Fail the attempts past their job's timeout at monotonic time `t` (retried while
+        strikes are left)."""
+        for a in [a for a in self.active.values() if t > a.deadline]:
+            self.fail(a, f"JobTimeoutException: shard exceeded its timeout of {a.claim.job.timeout}s")
+
+    def fail_all(self, exc_string: str) -> None:
+        """The engine failed with no request to blame: every attempt fails (retried if it has
+        retries left), its requests gone with the engine's state."""
+        for a in list(self.active.values()):
+            self.fail(a, exc_string, abort=False)
+
+    def hand_back_all(self) -> None:
+        for a in list(self.active.values()):
+            self.hand_back(a)
+
+    def drop_all(self) -> None:
+        """Redis came back without writes it had acknowledged (Link's on_lost): the running
+        attempts resume from what Redis kept once their executions expire."""
+        if self.active:
+            log.error("redis came back without writes it had acknowledged: dropping %d running jobs; "
+                      "they resume from what redis kept once their heartbeat expires", len(self.active))
+        for a in list(self.active.values()):
+            self.drop(a)
+
+    def abandon(self) -> None:
+        """Redis is away past the drain's deadline (Link's on_abandon): no hand-back without
+        Redis, so the requests leave the engine and nothing is written; the shards are
+        retried elsewhere once their executions expire."""
+        for a in list(self.active.values()):
+            self.engine.abort(a.tag)
+        self.active.clear()

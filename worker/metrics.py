@@ -52,9 +52,9 @@ class WorkerMetrics:
             self.prompt_tokens.inc(usage["prompt_tokens"])
             self.cache_hit_tokens.inc(usage["cached_tokens"])
 
-    def watch(self, consumer) -> None:
-        """Read `consumer`'s engine and jobs at each scrape."""
-        self.registry.register(_EngineState(consumer, self.name))
+    def watch(self, engine, attempts) -> None:
+        """Read the engine and the running attempts (worker/attempts.py) at each scrape."""
+        self.registry.register(_EngineState(engine, attempts, self.name))
 
     def serve(self, port: int, host: str) -> None:
         """An HTTP server in a daemon thread: any path answers the exposition."""
@@ -62,11 +62,11 @@ class WorkerMetrics:
 
 
 class _EngineState:
-    def __init__(self, consumer, name: str):
-        self.consumer, self.labels = consumer, [name]
+    def __init__(self, engine, attempts, name: str):
+        self.engine, self.attempts, self.labels = engine, attempts, [name]
 
     def collect(self):
-        stats = self.consumer.engine.stats()
+        stats = self.engine.stats()
 
         def family(kind, metric, doc, value):
             f = kind(metric, doc, labels=["worker"])
@@ -93,4 +93,4 @@ class _EngineState:
         yield family(GaugeMetricFamily, "fanout_kv_pages_cached", "KV pages in the prefix cache "
                      "(some shared by running requests; the rest evicted when needed)", cached)
         yield family(GaugeMetricFamily, "fanout_jobs_in_flight", "Shards whose requests are in the engine",
-                     len(self.consumer.active))
+                     len(self.attempts.active))

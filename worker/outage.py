@@ -1,28 +1,36 @@
-"""Redis outages, as the worker rides them out: the loop pauses (the engine keeps its
-state: nothing leaves the worker but through Redis) and tries again with backoff.
+"""Redis as the worker's loop reaches it, across outages: the loop pauses (the engine keeps
+its state: nothing leaves the worker but through Redis) and tries again with backoff.
+
+`Link` owns the connection's outage state: the marker key that every step transaction also
+sets, and which transaction Redis last acknowledged. What it may do to the rest of the
+worker is given to it as three hooks: `on_back` (Redis answers again: heartbeat at once),
+`on_lost` (Redis came back without writes it had acknowledged: drop the running attempts)
+and `on_abandon` (the drain's deadline passed while Redis was away: forget them and exit).
 
 Invariants: a write that must apply once is sent again only after checking it did not
-apply (the step transaction by a marker key written with it: `send`; a shard's claim and
+apply (the step transaction by the marker written with it: `send`; a shard's claim and
 settle by its entry in the job's running-shards hash: jobs/shards.py); housekeeping that
 may run twice goes through `guard` or `retrying`. Once Redis is back, the first heartbeat
 drops the shards that were reaped meanwhile (an outage longer than the TTL): they run
-elsewhere. If Redis came back without writes it had acknowledged, the running shards are
-dropped and resume from what it kept.
-
-`Outages` is part of the worker (worker/consumer.py): it uses its `connection`,
-`active` shards, `metrics`, `beat`, `drop`, `hand_back`, the shutdown flags, and the marker
-state set in its __init__.
+elsewhere.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import Callable
 
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 from rq.utils import as_text
 
 from results.publisher import Batch
+
+from .drain import Drain
+from .metrics import WorkerMetrics
 
 log = logging.getLogger("fanout.worker")
 
@@ -30,7 +38,23 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 MAX_BACKOFF = 5.0  # seconds between tries while Redis is away
 
 
-class Outages:
+class Link:
+    def __init__(self, connection, worker: str, metrics: WorkerMetrics, drain: Drain,
+                 on_back: Callable[[], None], on_lost: Callable[[], None], on_abandon: Callable[[], None]):
+        # Connection errors come to this object, which knows whether a write may be sent
+        # again; redis-py's own retries would send a transaction again whose reply was lost.
+        connection.set_retry(Retry(NoBackoff(), 0))
+        self.connection = connection
+        self.metrics = metrics
+        self.drain = drain
+        self._on_back, self._on_lost, self._on_abandon = on_back, on_lost, on_abandon
+        # Every step transaction also sets this key (this process's own) to a new value:
+        # after a lost connection, reading it tells whether the transaction applied.
+        self._marker = f"fanout:worker:{worker}:{os.urandom(4).hex()}:sent"
+        self._sends = 0
+        self._sent: str | None = None  # the marker of the last transaction Redis acknowledged
+        self._sending: str | None = None  # the marker of the transaction in flight
+
     def wait_for_redis(self, error: Exception) -> None:
         """Pause until Redis answers again: one log line per try, the tries further apart
         each time. The engine keeps its state; once Redis is back, the next heartbeat first
@@ -41,12 +65,10 @@ class Outages:
         delay, since = 0.25, time.monotonic()
         self.metrics.redis_outages.inc()
         while True:
-            if self._stop_requested and self._drain_until is not None and time.monotonic() >= self._drain_until:
+            if self.drain.due(time.monotonic()):
                 # No hand-back without Redis: the jobs are retried elsewhere once their
                 # executions expire.
-                for a in list(self.active.values()):
-                    self.engine.abort(a.tag)
-                self.active.clear()
+                self._on_abandon()
                 raise SystemExit(f"fanout worker: redis unavailable at shutdown ({error}); running jobs "
                                  "are retried elsewhere once their heartbeat expires")
             log.warning("redis unavailable (%s): paused; next try in %.2fs", error, delay)
@@ -58,17 +80,13 @@ class Outages:
                 error, delay = e, min(delay * 2, MAX_BACKOFF)
         log.warning("redis is back after %.1fs; resuming", time.monotonic() - since)
         self.metrics.redis_outage_seconds.inc(time.monotonic() - since)
-        self._next_beat = 0.0
+        self._on_back()
         seen = as_text(seen) if seen is not None else None
         if seen is not None and seen == self._sending:
             self._sent = seen  # the step transaction in flight applied; only its reply was lost
         elif seen != self._sent:
             self._sent = seen
-            if self.active:
-                log.error("redis came back without writes it had acknowledged: dropping %d running jobs; "
-                          "they resume from what redis kept once their heartbeat expires", len(self.active))
-            for a in list(self.active.values()):
-                self.drop(a)
+            self._on_lost()
 
     def retrying(self, fn, *args, **kwargs):
         """fn(...) until Redis answers it: only for calls that may run twice."""
@@ -88,15 +106,14 @@ class Outages:
             self.wait_for_redis(e)
             return None
 
-    def send(self, batch: Batch) -> list | None:
+    def send(self, batch: Batch, still_ours: Callable[[], bool]) -> list | None:
         """Send `batch` exactly once, across Redis outages. Returns the answers of its reads,
-        or None if it was dropped: one of its jobs was reaped during a long outage (the
-        others are handed back: they resume from what Redis stored), or Redis lost writes
-        (see wait_for_redis)."""
+        or None if it was dropped: after an outage that it did not outlive (Redis never
+        applied it), `still_ours()` said that what it writes for is no longer this worker's,
+        or Redis lost writes (see wait_for_redis)."""
         self._sends += 1
         self._sending = mark = str(self._sends)
         batch.pipe.set(self._marker, mark, ex=24 * 3600)
-        holding = list(self.active)
         try:
             while True:
                 try:
@@ -107,10 +124,7 @@ class Outages:
                     self.wait_for_redis(e)  # it reads the marker
                 if self._sent == mark:
                     return self.retrying(self._read, batch)
-                self.retrying(self.beat)
-                if any(tag not in self.active for tag in holding):
-                    for a in [a for a in self.active.values() if a.job_id in batch.jobs]:
-                        self.hand_back(a, "redis was unavailable for too long; shard handed back")
+                if not still_ours():
                     return None
         finally:
             self._sending = None

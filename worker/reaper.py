@@ -4,13 +4,16 @@ A shard attempt's execution in rq's StartedJobRegistry has a score = the time it
 heartbeat expires; its worker pushes it forward every third of the TTL. rq would mark
 expired ones failed in its maintenance (at a worker's start, then every 10 minutes), with no
 stream entries and no retry; the Fanout worker leaves that to this module instead
-(Consumer.clean_registries) and calls `reap` every few seconds: each expired shard is settled
-(jobs/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
+(Member.clean_registries) and calls `reap` every few seconds (`Reaper`): each expired shard
+is settled (jobs/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
 flag), retried (it resumes on a live worker from its stored samples; a strike only if the
 dead attempt stored nothing) or, struck more often than the job's retries, failed with
 its job, with its stream entries; a terminal one exactly once.
 """
 from __future__ import annotations
+
+import logging
+import time
 
 from rq import Queue
 from rq.exceptions import NoSuchJobError
@@ -18,10 +21,18 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.utils import as_text, current_timestamp
 
+from jobs import shards
+from jobs.logs import JobLog, about
+from jobs.settings import Settings
 from results import keys
 
-from jobs import shards
-from jobs.logs import about
+from .member import Member
+from .metrics import WorkerMetrics
+from .outage import Link
+
+log = logging.getLogger("fanout.worker")
+
+REAP_INTERVAL = 2.0  # seconds between looks for expired executions: one ZRANGEBYSCORE per queue
 
 
 def reap(redis, queues: list[Queue], serializer, result_ttl: int, on_outage) -> list[tuple[str, str, str]]:
@@ -80,3 +91,34 @@ def reap_one(redis, registry: str, entry: str, serializer, result_ttl: int,
         return None
     return job_id, worker, {shards.RETRY: f"retried (shard {k})", shards.FAILED: f"failed (shard {k})",
                             shards.CANCELED: "canceled"}[applied]
+
+
+class Reaper:
+    """This worker's share of the fleet's reaping: every REAP_INTERVAL seconds (and before
+    rq's registry maintenance), the expired executions of its queues are settled, and the
+    shards taken off a queue by a worker that died before its claim are queued again.
+    Owns only its schedule."""
+
+    def __init__(self, member: Member, link: Link, settings: Settings, metrics: WorkerMetrics):
+        self.member = member
+        self.link = link
+        self.settings = settings
+        self.metrics = metrics
+        self._next = 0.0
+
+    def due(self, t: float) -> bool:
+        if t < self._next:
+            return False
+        self._next = t + REAP_INTERVAL
+        return True
+
+    def reap(self) -> None:
+        """Retry, fail or cancel the jobs whose execution expired."""
+        m = self.member
+        for job_id, owner, outcome in reap(m.connection, m.queues, m.serializer, self.settings.result_ttl,
+                                           self.link.wait_for_redis):
+            JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", owner, outcome)
+            self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled
+        for sid in shards.put_back_stale(m.connection, time.time() - m.heartbeat_ttl):
+            JobLog(log, shards.job_of(sid)).warning("shard %s was taken off its queue by a worker that "
+                                                    "did not claim it; queued again", sid)

@@ -318,26 +318,26 @@ def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(mo
     try:
         params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
         job_id = jobs.submit(r, JobRequest(prompts=PROMPTS[:4], sampling_params=params), settings)["id"]
-        w.admit(block=False)
-        assert [a.tag for a in w.active.values()] == [f"{job_id}-0#1"]
+        w.admission.admit(block=False)
+        assert [a.tag for a in w.attempts.active.values()] == [f"{job_id}-0#1"]
         for _ in range(3):
-            w.publish(engine.step())
+            w.publisher.publish(engine.step())
         # A long step: meanwhile another worker's reaper finds the execution expired.
         events = engine.step()
         for q in queues:
             for entry in r.zrange(q.started_job_registry.key, 0, -1):
                 r.zadd(q.started_job_registry.key, {entry: 1})
         assert [o for _, _, o in reaper.reap(r, queues, JSONSerializer, 3600, lambda e: None)] == ["retried (shard 0)"]
-        w._next_beat = 0.0  # the step outlasted the heartbeat interval: the publish beats first
-        queued, _ = w.publish(events)
-        assert not w.active and queued  # dropped; its shard is queued again
-        w.admit(block=False)  # taken again before the next step, as the run loop does
-        assert [a.tag for a in w.active.values()] == [f"{job_id}-0#2"]
+        w.member.beat_soon()  # the step outlasted the heartbeat interval: the publish beats first
+        queued, _ = w.publisher.publish(events)
+        assert not w.attempts.active and queued  # dropped; its shard is queued again
+        w.admission.admit(block=False)  # taken again before the next step, as the run loop does
+        assert [a.tag for a in w.attempts.active.values()] == [f"{job_id}-0#2"]
         tags = set()
         while engine.has_work():
             events = engine.step()
             tags |= {ev.tag for ev in events}
-            w.publish(events)
+            w.publisher.publish(events)
         assert tags == {f"{job_id}-0#1", f"{job_id}-0#2"}  # the dropped attempt's aborts came out here
         assert jobs.status_of(r, job_id)[0] == "succeeded"
         stored = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.results(job_id)).items()}
@@ -346,6 +346,6 @@ def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(mo
         ref = engine.generate(prompts=PROMPTS[:4], sampling_params=SamplingParams(**params))
         assert [stored[f"{i}:0"]["token_ids"] for i in range(4)] == [it.samples[0].token_ids for it in ref]
     finally:
-        w.connection.close()
+        w.link.connection.close()
         r.close()
         server.stop()

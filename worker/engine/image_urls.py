@@ -226,7 +226,7 @@ class _Transport(httpx.HTTPTransport):
                                              network_backend=_Connect(sources))
 
 
-# How an operator turns a scheme on (the worker's flags; env in README).
+# How an operator turns a scheme on (the worker's flags; env in docs/engine.md, "Images").
 _HOW = {"file": "; the operator allows file URLs with --image-file-root",
         "http": "; the operator allows fetching with --image-http-hosts",
         "https": "; the operator allows fetching with --image-http-hosts"}
