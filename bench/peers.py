@@ -5,11 +5,12 @@
     python bench/peers.py --rounds 5 --workloads chats16,n8
 
 PY is the python of a venv that has the peer (they are big, and vLLM pins its own torch):
-README, "Peers on the same CPU", says how to build both. Model: SmolLM2-135M-Instruct, the demo
-GGUF. Fanout loads the GGUF as shipped (dequantized to fp32); transformers and vLLM an fp32
-Hugging Face folder written from it (by transformers' GGUF loader); llama.cpp both an F32 GGUF
-written from the dequantized weights and the Q4_1 file as shipped. Every engine gets the same
-prompt token ids (chats rendered by the model's template here, once). Workloads:
+docs/benchmarks.md, "Peers on the same CPU", says how to build both. Model:
+SmolLM2-135M-Instruct, the demo GGUF. Fanout loads the GGUF as shipped (dequantized to fp32);
+transformers and vLLM an fp32 Hugging Face folder written from it (by transformers' GGUF
+loader); llama.cpp both an F32 GGUF written from the dequantized weights and the Q4_1 file as
+shipped. Every engine gets the same prompt token ids (chats rendered by the model's template
+here, once). Workloads:
 
   chats16   16 chats (~40-450 tokens), 48 new tokens each, greedy
   n8        1 chat of ~340 tokens, n = 8 samples at T = 0.8, 64 new tokens each

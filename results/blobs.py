@@ -288,7 +288,7 @@ class _S3Writer(Writer):
             try:
                 self.store.call(self.what, "abort_multipart_upload", Key=self.name, UploadId=upload)
             except StoreError:
-                pass  # the bucket's rule for incomplete uploads is the backstop (README)
+                pass  # the bucket's rule for incomplete uploads is the backstop (docs/deployment.md)
 
 
 Store = LocalStore | S3Store

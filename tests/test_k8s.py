@@ -241,10 +241,10 @@ def test_every_fanout_process_gets_the_password_in_redis_url(docs, monkeypatch):
     assert [a["parameter"] for a in auth] == ["password"]
     secret_refs.add((auth[0]["name"], auth[0]["key"]))
     assert len(secret_refs) == 1, secret_refs  # one Secret, one key, everywhere
-    # ... the Secret that k8s.yaml's header and README tell you to create.
+    # ... the Secret that k8s.yaml's header and docs/deployment.md tell you to create.
     (name, key), = secret_refs
     create = re.compile(r"kubectl -n fanout create secret generic (\S+) --from-literal=(\w+)=")
-    for path in ("k8s.yaml", "README.md"):
+    for path in ("k8s.yaml", "docs/deployment.md"):
         with open(os.path.join(ROOT, path)) as f:
             assert [c for c in create.findall(f.read()) if c[0] == name] == [(name, key)], path
     sts = one(docs, "StatefulSet", "redis")
@@ -255,23 +255,23 @@ def test_every_fanout_process_gets_the_password_in_redis_url(docs, monkeypatch):
 
 def test_the_api_reads_the_blob_store_from_the_secret_the_instructions_create(docs):
     """Every API replica and worker must reach the same store: a bucket, named by the blob-store Secret
-    (FANOUT_STORAGE_URL and the AWS_* variables), which k8s.yaml's header and README create."""
+    (FANOUT_STORAGE_URL and the AWS_* variables), which k8s.yaml's header and docs/deployment.md create."""
     refs = set()
     for name in ("api", "worker"):  # the worker reads the items of large jobs from the same bucket
         (c,) = pod_spec(one(docs, "Deployment", name))["containers"]
         refs.update(e["secretRef"]["name"] for e in c["envFrom"])
     (ref,) = refs
     create = re.compile(rf"kubectl -n fanout create secret generic {ref} --from-literal=FANOUT_STORAGE_URL=s3://")
-    for path in ("k8s.yaml", "README.md"):
+    for path in ("k8s.yaml", "docs/deployment.md"):
         with open(os.path.join(ROOT, path)) as f:
             assert len(create.findall(f.read())) == 1, path
 
 
 def test_the_instructions_name_what_the_file_uses(docs):
-    """k8s.yaml's header and README: the namespace created first, and the image that the
+    """k8s.yaml's header and docs/deployment.md: the namespace created first, and the image that the
     sed command replaces."""
     (image,) = {c["image"] for _, c in fanout_containers(docs)}
-    for path in ("k8s.yaml", "README.md"):
+    for path in ("k8s.yaml", "docs/deployment.md"):
         with open(os.path.join(ROOT, path)) as f:
             text = f.read()
         assert f"kubectl create namespace {NAMESPACE}\n" in text, path

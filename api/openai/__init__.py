@@ -1,6 +1,6 @@
 """The OpenAI-compatible API: models, chat completions and completions (online, through
 the queue at high priority), files and batches (a batch is a native job underneath).
-Objects, names and errors are OpenAI's; extensions are documented in README."""
+Objects, names and errors are OpenAI's; extensions are documented in docs/openai.md."""
 from fastapi import APIRouter
 
 from . import batches, completions, files, models
