@@ -25,8 +25,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
-from results import blobs
+from jobs import unavailable
 from jobs.settings import Settings
+from results import blobs, keys
 
 from . import auth, metrics, openapi, streams, sweep, tenants, tokenize
 from .openai import batches
@@ -36,8 +37,7 @@ from .openai.errors import OpenAIError, from_validation, is_openai
 from .schemas import UNION_TAGS, ErrorOut, Health, Version
 from .submit import router
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (a restart) too
-UNAVAILABLE = {503: {"model": ErrorOut, "description": "Redis is unavailable (try again)"}}
+UNAVAILABLE = {503: {"model": ErrorOut, "description": "Redis is unavailable or out of memory (try again after Retry-After)"}}
 
 
 def _retry(cls=Retry):
@@ -125,13 +125,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=422)
 
     async def redis_down(request: Request, exc: Exception):
-        # The client learns that Redis is away, not where it lives: the log has the details.
-        message = f"redis unavailable (ref {_logged('redis unavailable', exc, stack=False)})"
+        # The client learns that Redis is away or full, not where it lives: the log has the details.
+        what = unavailable.describe(exc)
+        message = f"{what} (ref {_logged(what, exc, stack=False)})"
+        headers = {"Retry-After": str(unavailable.RETRY_AFTER)}
         if is_openai(request.url.path):
-            return OpenAIError(503, message, type="server_error").response()
-        return JSONResponse({"detail": message}, status_code=503)
+            return OpenAIError(503, message, type="server_error").response(headers)
+        return JSONResponse({"detail": message}, status_code=503, headers=headers)
 
-    for error in REDIS_DOWN:
+    for error in unavailable.REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
 
     @app.exception_handler(blobs.StoreError)
@@ -177,12 +179,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/healthz", response_model=Health, responses=UNAVAILABLE, tags=["admin"])
     @app.get("/health", response_model=Health, responses=UNAVAILABLE, tags=["admin"])  # vLLM's and SGLang's name
     def healthz(request: Request):
-        """Liveness: the API is up and reaches Redis."""
+        """Liveness: the API is up and Redis takes writes (a full Redis still answers reads)."""
         try:
-            request.app.state.redis.ping()
+            request.app.state.redis.set(keys.healthz(), 1, px=10_000)
         except redis.RedisError as e:
-            return JSONResponse({"detail": f"redis unavailable (ref {_logged('redis unavailable', e, stack=False)})"},
-                                status_code=503)
+            what = unavailable.describe(e)
+            return JSONResponse({"detail": f"{what} (ref {_logged(what, e, stack=False)})"}, status_code=503,
+                                headers={"Retry-After": str(unavailable.RETRY_AFTER)})
         return {"status": "ok", "redis": "ok"}
 
     @app.get("/version", response_model=Version, tags=["admin"])

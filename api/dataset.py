@@ -29,14 +29,15 @@ from urllib.parse import unquote, urlparse
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from results import blobs
 from jobs import items
 from jobs.settings import Settings
+from results import blobs, keys
 
 from . import jobs
 from .batchfile import FIELDS, BatchFileError, item_field, parquet_rows
 from .openai import batchinput
 from .schemas import UNION_TAGS, JobRequest
+from .tenants import Tenant
 from .unique import Seen
 
 MAX_ERRORS = 20
@@ -45,10 +46,13 @@ OPENAI_LINE = {"method", "url", "body"}  # the fields that tell an OpenAI batch 
 LINE_FIELDS = set(FIELDS) | {"sampling_params", "custom_id"}
 
 
-def open_url(url: str, settings: Settings, store: blobs.Store) -> Iterator[bytes]:
+def open_url(url: str, settings: Settings, store: blobs.Store, tenant: Tenant | None) -> Iterator[bytes]:
     """The chunks of the dataset at `input_url`: a file:// under FANOUT_INPUT_ROOT, or an
-    s3:// object in the configured blob store (its bucket, under its prefix). 422 naming
-    input_url when it is neither or is not there; StoreError (503) when the store fails."""
+    s3:// object in the configured blob store (its bucket, under its prefix), never one of
+    the service's own objects (keys.SERVICE_BLOBS: uploaded files, jobs' items and results).
+    With API keys a tenant reads only its own prefix: datasets/<its id>/ in the store,
+    FANOUT_INPUT_ROOT/<its id>/ on disk. 422 naming input_url when it is none of these or is
+    not there; StoreError (503) when the store fails."""
     def bad(msg: str) -> RequestValidationError:
         return RequestValidationError([{"loc": ("body", "input_url"), "type": "value_error", "msg": msg}])
 
@@ -57,9 +61,11 @@ def open_url(url: str, settings: Settings, store: blobs.Store) -> Iterator[bytes
         if not settings.input_root:
             raise bad("file:// datasets are off: the operator allows a folder with FANOUT_INPUT_ROOT")
         root = os.path.realpath(settings.input_root)
+        if tenant is not None:
+            root = os.path.join(root, tenant.id)
         path = os.path.realpath(unquote(parsed.path))
         if parsed.netloc not in ("", "localhost") or os.path.commonpath([root, path]) != root:
-            raise bad(f"not under FANOUT_INPUT_ROOT ({root})")
+            raise bad(f"not under {'your folder of ' if tenant else ''}FANOUT_INPUT_ROOT ({root})")
         try:
             f = open(path, "rb")
         except OSError as e:
@@ -71,8 +77,14 @@ def open_url(url: str, settings: Settings, store: blobs.Store) -> Iterator[bytes
         key = parsed.path.lstrip("/")
         if inside.scheme != "s3" or parsed.netloc != inside.netloc or (prefix and not key.startswith(prefix + "/")):
             raise bad(f"not in the configured blob store ({store.url}, FANOUT_STORAGE_URL)")
+        key = key[len(prefix) + 1:] if prefix else key
+        if key.startswith(keys.SERVICE_BLOBS):
+            raise bad(f"the service's own objects ({', '.join(keys.SERVICE_BLOBS)}) are not readable by URL: "
+                      "give an uploaded file's id as input_file_id")
+        if tenant is not None and not key.startswith(keys.dataset_blobs(tenant.id)):
+            raise bad(f"this key reads datasets under {store.url}/{keys.dataset_blobs(tenant.id)} only")
         try:
-            return store.get(key[len(prefix) + 1:] if prefix else key)
+            return store.get(key)
         except blobs.Missing:
             raise bad("no such object in the blob store") from None
         except ValueError as e:  # a key that climbs out of the prefix

@@ -97,13 +97,20 @@ class Jobs:
                     pipe.llen(q.key)
                     for reg in (q.scheduled_job_registry, q.started_job_registry):
                         pipe.zcard(reg.key)
-                counts = pipe.execute()
+                pipe.info("memory")
+                *counts, memory = pipe.execute()
         except redis.RedisError:
             counts = None
         yield GaugeMetricFamily("fanout_api_redis_up", "Whether this scrape reached Redis",
                                 value=int(counts is not None))
         if counts is None:
             return
+        # Past maxmemory (noeviction) Redis refuses writes: the service pauses until memory is
+        # freed (jobs/unavailable.py). Alert before: used / max (max 0: no limit).
+        yield GaugeMetricFamily("fanout_redis_memory_used_bytes", "Redis's used_memory",
+                                value=memory["used_memory"])
+        yield GaugeMetricFamily("fanout_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)",
+                                value=memory.get("maxmemory", 0))
         jobs = GaugeMetricFamily("fanout_shards", "Shards of jobs in Redis by rq queue and status (status "
                                  "queued: the queue's length)", labels=["queue", "status"])
         per_queue = 1 + len(self.STATUSES)

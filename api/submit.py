@@ -114,7 +114,7 @@ def _submit_dataset(st, req: JobRequest, idempotency, tenant) -> dict:
     once, checked and queued in a thread of this process (api/validation.py). A URL that
     names nothing readable is a 422 here."""
     if req.input_url is not None:
-        chunks = dataset.open_url(req.input_url, st.settings, st.blobs)
+        chunks = dataset.open_url(req.input_url, st.settings, st.blobs, tenant)
         getattr(chunks, "close", lambda: None)()  # read again by the validation
     body = validation.start(st.redis, req, st.settings, tenant, idempotency)
     lease = Lease(st.redis, keys.validation(body["id"]), st.settings.validation_lease)

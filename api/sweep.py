@@ -16,7 +16,6 @@ import redis as redis_lib
 from results import blobs, keys
 
 from . import validation
-from .openai import files
 
 log = logging.getLogger("fanout.api")
 SWEEP = 10  # seconds between an API process's sweeps
@@ -36,7 +35,7 @@ def _owner(member: str) -> tuple[str, list[str]]:
     """(the Redis key whose life the blobs follow, the blobs' keys in the store)."""
     kind, _, rest = member.partition(":")
     if kind == "file":
-        return keys.file(rest), [files.blob(rest)]
+        return keys.file(rest), [keys.file_blob(rest)]
     job_id, start, end = rest.split(":")
     return keys.info(job_id), [blob for k in range(int(start), int(end))
                                for blob in (keys.items_blob(job_id, k), keys.results_blob(job_id, k))]

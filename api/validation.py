@@ -99,7 +99,7 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
         if req.input_file_id is not None:
             chunks = files.content(redis, store, req.input_file_id, tenant)
         else:
-            chunks = dataset.open_url(req.input_url, settings, store)
+            chunks = dataset.open_url(req.input_url, settings, store, tenant)
         form, records = dataset.rows(chunks)
         redis.hset(keys.info(job_id), "input_format", form)  # its output's default format (GET /output)
         planned = dataset.plan(_renewing(records, lease, redis, job_id), req, settings, builder, int(info["seed"]))

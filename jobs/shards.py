@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from rq import Queue
 from rq.executions import Execution
@@ -48,11 +46,11 @@ from rq.utils import as_text
 
 from results import events, keys, listing, progress, publisher, store
 
-from .settings import Settings
 from .items import Layout
+from .settings import Settings
 from .spec import JOB_FUNC, QUEUES
+from .unavailable import REDIS_DOWN
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
 
 # Claim bookkeeping on the job's info hash, in the claim's transaction: the job's attempt

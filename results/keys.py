@@ -65,6 +65,11 @@ def by_status(listed: str, status: str) -> str:
     return f"{listed}:{status}"
 
 
+def healthz() -> str:
+    """The key /healthz writes (a full Redis answers reads but refuses writes); expires at once."""
+    return f"{PREFIX}:healthz"
+
+
 def tokenizer(model: str) -> str:
     """Hash of a served model's tokenizer files (file name -> bytes, plus `digest`), written by
     each of its workers when it starts: the API's /tokenize and /detokenize load it."""
@@ -103,6 +108,23 @@ def due_file(file_id: str) -> str:
 def due_job(job_id: str, start: int, end: int) -> str:
     """Shards [start, end) of a job's items."""
     return f"job:{job_id}:{start}:{end}"
+
+
+# In the blob store, the service's own objects: uploaded files (file_blob) and jobs' items
+# and results (items_blob, results_blob). No URL a client gives reaches them (api/dataset.py).
+SERVICE_BLOBS = ("files/", "jobs/")
+
+
+def file_blob(file_id: str) -> str:
+    """In the blob store: an uploaded file's bytes (api/openai/files.py)."""
+    return f"files/{file_id}.jsonl"
+
+
+def dataset_blobs(tenant_id: str) -> str:
+    """In the blob store: the prefix of the datasets a tenant may name by `input_url`
+    (s3://BUCKET/PREFIX/datasets/<tenant id>/...), written there by the operator or the
+    tenant's own tools, never by the service."""
+    return f"datasets/{tenant_id}/"
 
 
 def items_blob(job_id: str, k: int) -> str:

@@ -20,10 +20,11 @@ from rq.job import Job
 from rq.utils import as_text
 
 from jobs import shards
+from jobs.unavailable import REDIS_DOWN
 
 from .attempts import Attempts
 from .member import Member
-from .outage import REDIS_DOWN, Link
+from .outage import Link
 
 
 class Admission:

@@ -325,4 +325,5 @@ class Attempts:
         retried elsewhere once their executions expire."""
         for a in list(self.active.values()):
             self.engine.abort(a.tag)
+            self.member.executions.pop(a.claim.execution.id, None)
         self.active.clear()

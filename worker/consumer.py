@@ -45,6 +45,7 @@ from rq.worker import WorkerStatus
 
 from jobs.settings import Settings
 from jobs.spec import QUEUE_ORDER
+from jobs.unavailable import REDIS_DOWN
 
 from .admission import Admission
 from .attempts import Attempts
@@ -52,7 +53,7 @@ from .drain import Drain
 from .engine import Engine, EngineError
 from .member import Member
 from .metrics import WorkerMetrics
-from .outage import REDIS_DOWN, Link
+from .outage import Link
 from .publish import Publisher
 from .reaper import Reaper
 

@@ -28,9 +28,8 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from jobs.settings import Settings
+from jobs.unavailable import REDIS_DOWN
 from results import keys
-
-from .outage import REDIS_DOWN
 
 log = logging.getLogger("fanout.worker")
 

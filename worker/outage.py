@@ -1,5 +1,6 @@
-"""Redis as the worker's loop reaches it, across outages: the loop pauses (the engine keeps
-its state: nothing leaves the worker but through Redis) and tries again with backoff.
+"""Redis as the worker's loop reaches it, across outages: Redis away, or full and refusing
+writes (jobs/unavailable.py). The loop pauses (the engine keeps its state: nothing leaves the
+worker but through Redis) and tries again with backoff, until Redis takes a write again.
 
 `Link` owns the connection's outage state: the marker key that every step transaction also
 sets, and which transaction Redis last acknowledged. What it may do to the rest of the
@@ -22,11 +23,10 @@ import time
 from typing import Callable
 
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq.utils import as_text
 
+from jobs.unavailable import REDIS_DOWN, describe
 from results.publisher import Batch
 
 from .drain import Drain
@@ -34,7 +34,6 @@ from .metrics import WorkerMetrics
 
 log = logging.getLogger("fanout.worker")
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 MAX_BACKOFF = 5.0  # seconds between tries while Redis is away
 
 
@@ -71,10 +70,12 @@ class Link:
                 self._on_abandon()
                 raise SystemExit(f"fanout worker: redis unavailable at shutdown ({error}); running jobs "
                                  "are retried elsewhere once their heartbeat expires")
-            log.warning("redis unavailable (%s): paused; next try in %.2fs", error, delay)
+            log.warning("%s (%s): paused; next try in %.2fs", describe(error), error, delay)
             time.sleep(delay)
             try:
                 seen = self.connection.get(self._marker)
+                # Back means taking writes: a full Redis still answers reads.
+                self.connection.set(self._marker + ":probe", 1, px=60_000)
                 break
             except REDIS_DOWN as e:
                 error, delay = e, min(delay * 2, MAX_BACKOFF)

@@ -24,7 +24,7 @@ from rq.utils import as_text, current_timestamp
 from jobs import shards
 from jobs.logs import JobLog, about
 from jobs.settings import Settings
-from results import keys
+from results import events, keys
 
 from .member import Member
 from .metrics import WorkerMetrics
@@ -69,7 +69,8 @@ def reap_one(redis, registry: str, entry: str, serializer, result_ttl: int,
         return None
     job_id, k = job.kwargs["job"], int(job.kwargs["shard"])
     worker = job.worker_name
-    why = f"AbandonedJobError: its worker {worker} stopped sending heartbeats"
+    # A reader sees the worker's opaque id (events.worker_ref), never its name (host, PID).
+    why = f"AbandonedJobError: its worker {events.worker_ref(worker)} stopped sending heartbeats"
 
     def expired(pipe) -> bool:
         # The owner's heartbeat writes the registry: one that came meanwhile voids this.

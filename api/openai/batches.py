@@ -283,7 +283,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
     ids = {"output": f"file-{job_id}-output", "error": f"file-{job_id}-error"}
     for file_id in ids.values():
         files.writing(redis, file_id)
-    with blob_store.writer(files.blob(ids["output"])) as output, blob_store.writer(files.blob(ids["error"])) as errors:
+    with blob_store.writer(keys.file_blob(ids["output"])) as output, blob_store.writer(keys.file_blob(ids["error"])) as errors:
         counts, usage = _lines(redis, blob_store, record, ending, lease, output, errors)
         if not counts["output"]:
             output.abort()

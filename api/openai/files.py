@@ -41,11 +41,6 @@ def _tenant_id(tenant) -> str | None:
     return tenant.id if tenant else None
 
 
-def blob(file_id: str) -> str:
-    """The file's key in the blob store."""
-    return f"files/{file_id}.jsonl"
-
-
 def writing(redis, file_id: str) -> None:
     """Before writing the file's bytes: if no object follows (the writer died), the sweep
     deletes them."""
@@ -93,7 +88,7 @@ def save(redis, store, chunks: Iterable[bytes], filename: str, purpose: str, ten
     file_id = "file-" + uuid.uuid4().hex
     writing(redis, file_id)
     digest = hashlib.sha256()
-    with store.writer(blob(file_id)) as w:
+    with store.writer(keys.file_blob(file_id)) as w:
         for chunk in chunks:
             digest.update(chunk)
             w.write(chunk)
@@ -111,7 +106,7 @@ def _drop(redis, store, file_id: str) -> None:
     """Delete the bytes of a file without an object now, or leave them to the sweep."""
     redis.zadd(keys.blobs_due(), {keys.due_file(file_id): 0})
     try:
-        store.delete(blob(file_id))
+        store.delete(keys.file_blob(file_id))
     except blobs.StoreError as e:
         log.warning("files: %s; the sweep deletes %s later", e, file_id)
         return
@@ -131,7 +126,7 @@ def content(redis, store, file_id: str, tenant) -> Iterator[bytes]:
     """The file's bytes, in chunks (opened here: 404 or StoreError before the first)."""
     get(redis, file_id, tenant)
     try:
-        return store.get(blob(file_id))
+        return store.get(keys.file_blob(file_id))
     except blobs.Missing:  # expired between the two reads
         raise not_found("file", file_id) from None
 

@@ -165,13 +165,13 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
     store = blobs.open_store(str(tmp_path))
 
     def there(file_id):
-        return (tmp_path / files.blob(file_id)).exists()
+        return (tmp_path / keys.file_blob(file_id)).exists()
 
     short = files.save(r, store, [b"a\n"], "a.jsonl", "batch", None, ttl=1)
     kept = files.save(r, store, [b"b\n"], "b.jsonl", "batch", None, ttl=None)
     later = files.save(r, store, [b"c\n"], "c.jsonl", "batch", None, ttl=3600)
     files.writing(r, "file-orphan")  # a writer that died before its file's object
-    with store.writer(files.blob("file-orphan")) as w:
+    with store.writer(keys.file_blob("file-orphan")) as w:
         w.write(b"d\n")
     assert r.zscore(keys.blobs_due(), keys.due_file(kept["id"])) is None
     wait_for(lambda: not r.exists(keys.file(short["id"])), 5, "the short file's object to expire")
@@ -314,3 +314,61 @@ def test_the_builder_cuts_as_plan_does_and_what_an_abandoned_one_wrote_is_swept(
     assert os.listdir(tmp_path / "jobs" / "whole" / "items") == []
     r.close()
     server.stop()
+
+
+def test_a_tenant_reads_by_url_only_its_own_datasets_never_the_services_objects(s3_server, tmp_path):
+    """Tenant B names tenant A's upload (the store's own layout: PREFIX/files/<id>.jsonl), A's
+    job items, A's dataset and A's folder under FANOUT_INPUT_ROOT: each a 422 naming
+    input_url, and no job. A reads its own prefix (datasets/<its id>/, and its folder on
+    disk). Before: B's job of A's upload succeeded and B read A's rows from /results."""
+    import httpx
+    import redis as redis_lib
+
+    from api import tenants
+
+    server = EmbeddedRedis()
+    bucket = "fanout-" + uuid.uuid4().hex[:8]
+    s3 = s3_server.client()
+    s3.create_bucket(Bucket=bucket)
+    inputs = tmp_path / "inputs"
+    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/svc", "FANOUT_ITEMS_STORE_BYTES": "0",
+           "FANOUT_INPUT_ROOT": str(inputs)}
+    proc, url = start_api(server.url, tmp_path, "api-tenant-urls", env=env)
+    r = redis_lib.Redis.from_url(server.url)
+    try:
+        key_a, a = tenants.create(r, "a", {})
+        key_b, b = tenants.create(r, "b", {})
+        rows = "".join(json.dumps({"prompt": f"secret of a {i}"}) + "\n" for i in range(3)).encode()
+        s3.put_object(Bucket=bucket, Key=f"svc/datasets/{a.id}/rows.jsonl", Body=rows)
+        (inputs / a.id).mkdir(parents=True)
+        (inputs / a.id / "rows.jsonl").write_bytes(rows)
+        as_a = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key_a}"}, timeout=30)
+        as_b = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key_b}"}, timeout=30)
+        upload = as_a.post("/v1/files", files={"file": ("rows.jsonl", rows)}, data={"purpose": "dataset"})
+        assert upload.status_code == 200, upload.text
+        own = as_a.post("/v1/jobs", json={"input_url": f"s3://{bucket}/svc/datasets/{a.id}/rows.jsonl"})
+        assert own.status_code == 202, own.text
+        job_a = own.json()["id"]
+        wait_for(lambda: as_a.get(f"/v1/jobs/{job_a}").json()["status"] == "queued", 60, "A's dataset validated")
+        assert objects(s3_server, bucket).get(f"svc/jobs/{job_a}/items/0.json")
+        on_disk = as_a.post("/v1/jobs", json={"input_url": f"file://{inputs}/{a.id}/rows.jsonl"})
+        assert on_disk.status_code == 202, on_disk.text
+
+        for other in (f"s3://{bucket}/svc/files/{upload.json()['id']}.jsonl",  # A's upload
+                      f"s3://{bucket}/svc/jobs/{job_a}/items/0.json",  # A's job's items
+                      f"s3://{bucket}/svc/datasets/{a.id}/rows.jsonl",  # A's dataset
+                      f"s3://{bucket}/svc/datasets/{b.id}/../{a.id}/rows.jsonl",
+                      f"file://{inputs}/{a.id}/rows.jsonl"):  # A's folder on disk
+            got = as_b.post("/v1/jobs", json={"input_url": other})
+            assert got.status_code == 422, (other, got.text)
+            assert got.json()["detail"][0]["loc"] == ["body", "input_url"], got.text
+        assert as_b.get("/v1/jobs").json()["data"] == []  # no job made
+        # A itself never reads the service's objects by URL either: its file goes by input_file_id.
+        mine = as_a.post("/v1/jobs", json={"input_url": f"s3://{bucket}/svc/files/{upload.json()['id']}.jsonl"})
+        assert mine.status_code == 422 and "input_file_id" in mine.text, mine.text
+        as_a.close()
+        as_b.close()
+    finally:
+        r.close()
+        proc.stop()
+        server.stop()

@@ -103,6 +103,8 @@ def check_the_jobs(r, client, dead, live, engine):
     first, second = es[:attempts[1]], es[attempts[1]:]
     retry = es[attempts[1] - 1]
     assert retry["status"] == "queued" and "stopped sending heartbeats" in retry["error"], retry
+    # The worker as its readers know it (opaque), never its name (host, PID).
+    assert f"its worker {dead.ref} " in retry["error"] and dead.name not in retry["error"], retry
     finals = Counter((e["index"], e["sample"]) for e in es if e["type"] == "final")
     assert set(finals.values()) == {1} and len(finals) == 40  # every sample final exactly once
     before = {(e["index"], e["sample"]) for e in first if e["type"] == "final"}
@@ -135,6 +137,7 @@ def check_the_jobs(r, client, dead, live, engine):
     assert end["status"] == "failed" and when - killed_at < 30 + 5, (end, when - killed_at)
     info = client.status(failed)
     assert info["status"] == "failed" and "stopped sending heartbeats" in info["error"]
+    assert dead.name not in info["error"] and dead.ref in info["error"]
     assert "attempts that stored nothing" in info["error"], info  # FANOUT_JOB_RETRIES=0: the first
     assert not Job.exists(failed + "-0", connection=r)
     for k in (keys.info(failed), keys.stream(failed), keys.shards(failed)):
