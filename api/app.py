@@ -107,6 +107,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             swagger_js_url=f"{root}/docs/static/swagger-ui-bundle.js",
             swagger_css_url=f"{root}/docs/static/swagger-ui.css",
             swagger_favicon_url=f"{root}/docs/static/favicon-32x32.png")
+    # Every 503 tells when to try again, whichever part answered it.
+    app.add_middleware(RetryAfter)
     # A batch file upload has its own limit (FANOUT_BATCH_MAX_FILE_BYTES, and 1 MiB for the form).
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
                        paths={"/v1/files": settings.batch_max_file_bytes + 2**20})
@@ -128,10 +130,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The client learns that Redis is away or full, not where it lives: the log has the details.
         what = unavailable.describe(exc)
         message = f"{what} (ref {_logged(what, exc, stack=False)})"
-        headers = {"Retry-After": str(unavailable.RETRY_AFTER)}
         if is_openai(request.url.path):
-            return OpenAIError(503, message, type="server_error").response(headers)
-        return JSONResponse({"detail": message}, status_code=503, headers=headers)
+            return OpenAIError(503, message, type="server_error").response()
+        return JSONResponse({"detail": message}, status_code=503)
 
     for error in unavailable.REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
@@ -153,10 +154,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(streams.TooManyStreams)
     async def too_many_streams(request: Request, exc: streams.TooManyStreams):
-        headers = {"Retry-After": "5"}
         if is_openai(request.url.path):
-            return OpenAIError(503, str(exc), type="server_error", code="too_many_streams").response(headers)
-        return JSONResponse({"detail": str(exc)}, status_code=503, headers=headers)
+            return OpenAIError(503, str(exc), type="server_error", code="too_many_streams").response()
+        return JSONResponse({"detail": str(exc)}, status_code=503)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
@@ -184,8 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             request.app.state.redis.set(keys.healthz(), 1, px=10_000)
         except redis.RedisError as e:
             what = unavailable.describe(e)
-            return JSONResponse({"detail": f"{what} (ref {_logged(what, e, stack=False)})"}, status_code=503,
-                                headers={"Retry-After": str(unavailable.RETRY_AFTER)})
+            return JSONResponse({"detail": f"{what} (ref {_logged(what, e, stack=False)})"}, status_code=503)
         return {"status": "ok", "redis": "ok"}
 
     @app.get("/version", response_model=Version, tags=["admin"])
@@ -211,6 +210,29 @@ def _logged(what: str, exc: Exception, stack: bool = True) -> str:
     logging.getLogger("fanout.api").error("%s (ref %s): %s: %s", what, ref, type(exc).__name__, exc,
                                           exc_info=exc if stack else None)
     return ref
+
+
+class RetryAfter:
+    """A 503 without a Retry-After header gets one (unavailable.RETRY_AFTER seconds), whichever
+    part answered it: Redis away or full, the blob store, the stream cap, a tokenizer not yet
+    published. (A 429 sets its own where waiting helps: tenants.OverLimit.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def sending(message):
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    headers.append((b"retry-after", str(unavailable.RETRY_AFTER).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 class BodyLimit:

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 
 from starlette.exceptions import HTTPException  # FastAPI's own would cost every CLI start 0.4 s
 
+from jobs import unavailable
 from results import keys
 
 # Per-key limits; a limit left out is not enforced (the service's own FANOUT_MAX_* still are).
@@ -31,10 +32,16 @@ LIMITS = {
 
 class OverLimit(Exception):
     """A per-key limit was hit: 429, the body names the limit (api.app). `retry_after`:
-    seconds until a retry can pass (the Retry-After header), where that is known."""
+    seconds until a retry can pass (the Retry-After header): exact for the request rate, a
+    few seconds where a slot or room frees as jobs end or files go, and none for a job too
+    big for the key, which no wait lets through."""
+
+    WAITING_HELPS = ("jobs_in_flight", "file_bytes")
 
     def __init__(self, limit: str, detail: str, retry_after: int | None = None):
         super().__init__(detail)
+        if retry_after is None and limit in self.WAITING_HELPS:
+            retry_after = unavailable.RETRY_AFTER
         self.limit, self.detail, self.retry_after = limit, detail, retry_after
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from redis.exceptions import ConnectionError, OutOfMemoryError, TimeoutError
 
 REDIS_DOWN = (ConnectionError, TimeoutError, OutOfMemoryError)
-RETRY_AFTER = 5  # seconds a client is told to wait (Retry-After) while Redis is away or full
+RETRY_AFTER = 5  # seconds a client is told to wait (Retry-After) on a 503 or 429 of the API
 
 
 def describe(e: Exception) -> str:

@@ -100,6 +100,7 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
         with pytest.raises(openai.InternalServerError, match="blob store unavailable") as e:
             oai.files.content(f.id)
         assert e.value.status_code == 503 and e.value.code == "store_unavailable"
+        assert e.value.response.headers["Retry-After"] == "5"  # every 503 says when to try again
         with pytest.raises(openai.InternalServerError, match="blob store unavailable"):
             oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
         with pytest.raises(openai.InternalServerError, match="blob store unavailable"):
