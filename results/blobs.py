@@ -35,6 +35,11 @@ class Missing(KeyError):
     """No object under this key."""
 
 
+class Gone(StoreError):
+    """An object that was written, and that something still needs, is not in the store: lost
+    for good (waiting does not bring it back, unlike the store being away)."""
+
+
 class OtherStore(ValueError):
     """This process's store is not the one the others of its Redis use."""
 
@@ -174,7 +179,10 @@ class _LocalWriter(Writer):
             raise self.store.error(f"cannot write {self.key}", e) from None
 
     def _abort(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()  # flushes what is buffered: on a full disk that fails again
+        except OSError:
+            pass
         try:
             os.unlink(self.tmp)
         except OSError:

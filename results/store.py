@@ -87,7 +87,7 @@ def _kept(blob_store, job_id: str, k: int) -> list[dict[str, Any]]:
     try:
         return [json.loads(line) for line in blobs.lines(blob_store.get(key))]
     except blobs.Missing:  # written before the shard was marked kept: the store lost it
-        raise blobs.StoreError(f"blob store {blob_store.url}: {key} is missing (shard {k}'s results)") from None
+        raise blobs.Gone(f"shard {k}'s results are gone from the blob store ({key})") from None
 
 
 def _custom_ids(redis, blob_store, job_id: str, info: dict, k: int, lo: int, hi: int) -> list[str | None] | None:

@@ -57,6 +57,13 @@ def load(redis, batch_id: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+# A batch whose output files cannot be written yet shows why in its `errors`, while it stays
+# `finalizing` (the store's own error goes to the API's log only: it names the store).
+WAITING = {"object": "list", "data": [{
+    "code": "store_unavailable", "line": None, "param": None,
+    "message": "the output files wait for the blob store, which cannot be written now; tried again every second"}]}
+
+
 def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) -> dict | None:
     """Apply `change(record)` -> the fields to set (None: leave it) atomically, and only
     while `lease` is held if one is given. An ended batch leaves the open set and expires
@@ -250,9 +257,15 @@ def advance(redis, settings: Settings, blob_store: blobs.Store, batch_id: str) -
         log.warning("batches: %s took over %d s between renewals of its lease; another process "
                     "finalizes it", batch_id, LEASE)
         return load(redis, batch_id)
-    except blobs.StoreError as e:  # its samples wait in Redis: the next sweep tries again
+    except blobs.Gone as e:  # lost for good: waiting cannot help, the batch fails naming it
+        log.error("batches: %s cannot be finalized: %s", batch_id, e)
+        lost = {"status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": [
+            {"code": "results_lost", "line": None, "param": None, "message": f"{e}; create the batch again"}]}}
+        return _update(redis, batch_id, lambda r: lost if r["status"] == "finalizing" else None, settings.result_ttl)
+    except blobs.StoreError as e:  # its samples wait in Redis: the next sweep tries again, and says so
         log.warning("batches: %s cannot be finalized yet: %s", batch_id, e)
-        return load(redis, batch_id)
+        return _update(redis, batch_id, lambda r: {"errors": WAITING} if r["status"] == "finalizing" else None,
+                       settings.result_ttl)
     finally:
         lease.release()
 
@@ -289,7 +302,7 @@ def _finalize(redis, settings: Settings, blob_store: blobs.Store, batch_id: str,
             output.abort()
         if not counts["error"]:
             errors.abort()
-    done = {"status": ending, f"{ending}_at": int(time.time()),
+    done = {"status": ending, f"{ending}_at": int(time.time()), "errors": None,  # no longer waiting
             # Every line is counted once: answered, or in the error file (failed, or not run
             # because the batch was cancelled or expired first).
             "request_counts": {"total": record["request_counts"]["total"], "completed": counts["output"],

@@ -64,10 +64,12 @@ def _env(redis_url):
 
 
 class Proc:
-    def __init__(self, args, env, log_path):
+    """`fanout ARGS` as a process; `wrap`: a command it runs under (e.g. unshare, nsenter)."""
+
+    def __init__(self, args, env, log_path, wrap=()):
         self.log_path = log_path
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT,
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
@@ -89,11 +91,11 @@ class Proc:
             return f.read()[-3000:].decode(errors="replace")
 
 
-def start_api(redis_url, log_dir, name, args=(), env=None):
-    """`args`: more flags, e.g. --workers 2; `env`: more environment."""
+def start_api(redis_url, log_dir, name, args=(), env=None, wrap=()):
+    """`args`: more flags, e.g. --workers 2; `env`: more environment; `wrap`: see Proc."""
     port = free_port()
     proc = Proc(["api", "--port", str(port), "--redis-url", redis_url, *args],
-                {**_env(redis_url), **(env or {})}, str(log_dir / f"{name}.log"))
+                {**_env(redis_url), **(env or {})}, str(log_dir / f"{name}.log"), wrap)
     url = f"http://127.0.0.1:{port}"
 
     def up():
@@ -132,10 +134,11 @@ def api_url(api_pair):
 class WorkerProc:
     """The worker process; tests may stop it (SIGTERM) and start a new one."""
 
-    def __init__(self, redis_url, model_dir, log_dir, env=None, args=()):
+    def __init__(self, redis_url, model_dir, log_dir, env=None, args=(), wrap=()):
         self.redis_url, self.model_dir, self.log_dir = redis_url, model_dir, log_dir
         self.env = env or {}  # extra environment, e.g. FANOUT_HEARTBEAT_TTL
         self.args = list(args)  # more flags, e.g. --metrics-port
+        self.wrap = list(wrap)  # a command it runs under (Proc)
         self.count = 0
         self.proc = None
         self.name = None
@@ -152,7 +155,7 @@ class WorkerProc:
         self.name = f"test-worker-{os.getpid()}-{os.urandom(3).hex()}-{self.count}"
         self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
                           "--redis-url", self.redis_url, "--drain-timeout", "0", *self.args],
-                         {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"))
+                         {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"), self.wrap)
         conn = redis_lib.Redis.from_url(self.redis_url)
 
         def registered():

@@ -6,7 +6,9 @@ import json
 import os
 import time
 import uuid
+from datetime import datetime
 
+import httpx
 import openai
 import pytest
 
@@ -123,11 +125,14 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
     s3_server.stop()
     try:
         wait_for(lambda: "cannot be finalized yet" in proc.tail(), 120, "a finalization that failed")
-        assert oai.batches.retrieve(b.id).status == "finalizing"
+        waiting = oai.batches.retrieve(b.id)  # and the batch says why, not only the API's log
+        assert waiting.status == "finalizing" and waiting.errors.data[0].code == "store_unavailable", waiting
+        assert "wait for the blob store" in waiting.errors.data[0].message
         assert "blob store" in proc.tail() and "unreachable" in proc.tail()
     finally:
         s3_server.start()
     b = wait(oai, b.id, ("completed",), timeout=30)  # the next sweeps, a second apart
+    assert b.errors is None  # no longer waiting
     out = read_lines(oai, b.output_file_id)
     assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]
     assert all(x["response"]["status_code"] == 200 for x in out) and b.request_counts.completed == len(lines)
@@ -135,7 +140,6 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
 
 
 def test_a_dataset_named_by_its_s3_url_in_the_store(s3_service, s3_server):
-    import httpx
     url, bucket = s3_service["url"], s3_service["bucket"]
     rows = "".join(json.dumps({"prompt": f"s3 row {i}", "custom_id": f"s{i}"}) + "\n" for i in range(30))
     s3_server.client().put_object(Bucket=bucket, Key="tenant-a/data/rows.jsonl", Body=rows.encode())
@@ -207,8 +211,6 @@ def test_the_sweep_deletes_the_bytes_of_expired_deleted_and_orphaned_files(tmp_p
 def test_a_job_whose_items_cannot_be_read_waits_for_the_store_and_runs_once_it_is_back(s3_service, s3_server):
     import datetime
 
-    import httpx
-
     url, bucket = s3_service["url"], s3_service["bucket"]
     run_at = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=3)).isoformat()
     job = httpx.post(url + "/v1/jobs", json={"prompts": ["a", "b"], "sampling_params": {"max_new_tokens": 2},
@@ -236,7 +238,6 @@ def test_a_job_with_its_items_in_the_store_survives_a_killed_worker(model_dir, e
     """Items in a local store (the default), shards of 2 samples over two workers; one is
     killed mid-job: the shards it held are read again from the store by the other, and
     every item is answered once, as the engine answers it."""
-    import httpx
     import redis as redis_lib
     import signal
 
@@ -322,7 +323,6 @@ def test_a_tenant_reads_by_url_only_its_own_datasets_never_the_services_objects(
     job items, A's dataset and A's folder under FANOUT_INPUT_ROOT: each a 422 naming
     input_url, and no job. A reads its own prefix (datasets/<its id>/, and its folder on
     disk). Before: B's job of A's upload succeeded and B read A's rows from /results."""
-    import httpx
     import redis as redis_lib
 
     from api import tenants
@@ -372,4 +372,51 @@ def test_a_tenant_reads_by_url_only_its_own_datasets_never_the_services_objects(
     finally:
         r.close()
         proc.stop()
+        server.stop()
+
+
+def test_a_batch_whose_results_the_store_lost_fails_naming_them(s3_server, model_dir, tmp_path):
+    """The bucket loses a job's objects mid-job (the first shard's kept results, the items of
+    the shards still to run): the job fails naming the items, and the batch fails within
+    seconds of it with `results_lost` naming the shard's results. Before: it stayed
+    `finalizing`, `errors: null`, for as long as anyone watched (the cause in the API's log)."""
+    import redis as redis_lib
+
+    server = EmbeddedRedis()
+    bucket = "fanout-" + uuid.uuid4().hex[:8]
+    s3 = s3_server.client()
+    s3.create_bucket(Bucket=bucket)
+    # One sample a shard, one shard at a time: shard 0 is kept in the bucket before shard 2 starts.
+    env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/svc", "FANOUT_ITEMS_STORE_BYTES": "0",
+           "FANOUT_SHARD_SAMPLES": "1"}
+    worker = WorkerProc(server.url, model_dir, tmp_path, env=env, args=["--max-running", "1"])
+    proc, url = start_api(server.url, tmp_path, "api-lost", env=env)
+    r = redis_lib.Redis.from_url(server.url)
+    try:
+        worker.start()
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
+            lines = [chat_line(f"q{i}", f"question {i}", max_tokens=100, temperature=0, ignore_eos=True)
+                     for i in range(6)]
+            f = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            b = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            job = b.id.removeprefix("batch_")
+            kept = f"svc/jobs/{job}/results/0.jsonl"
+            wait_for(lambda: kept in objects(s3_server, bucket), 120, "shard 0's results kept in the bucket")
+            for key in [k for k in objects(s3_server, bucket) if k.startswith(f"svc/jobs/{job}/")]:
+                s3.delete_object(Bucket=bucket, Key=key)  # the store lost them
+            b = wait(oai, b.id, ("failed", "completed"), timeout=120)
+            assert b.status == "failed" and b.errors.data[0].code == "results_lost", b
+            assert "shard 0's results are gone from the blob store" in b.errors.data[0].message, b.errors
+            assert f"jobs/{job}/results/0.jsonl" in b.errors.data[0].message
+            info = httpx.get(f"{url}/v1/jobs/{job}", timeout=30).json()
+            assert info["status"] == "failed" and "are gone" in info["error"], info
+            ended = datetime.fromisoformat(info["ended_at"].replace("Z", "+00:00")).timestamp()
+            # The sweep looks once a second: the batch fails at its first finalization.
+            assert b.failed_at - ended < 5, (b.failed_at, info["ended_at"])
+            print(f"\nlost objects: the batch failed {max(0, b.failed_at - int(ended))} s after its job "
+                  "(failed_at is in whole seconds)")
+    finally:
+        r.close()
+        proc.stop()
+        worker.stop()
         server.stop()
