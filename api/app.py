@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 
 import anyio
 import redis
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
-from jobs import unavailable
+from jobs import redis_url, unavailable
 from jobs.settings import Settings
 from results import blobs, keys
 
@@ -52,7 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.settings = settings
-        app.state.redis = redis.Redis.from_url(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
+        app.state.redis = redis_url.connect(settings.redis_url, retry=_retry(), socket_connect_timeout=2)
         app.state.blobs = blobs.open_store(settings.storage_url)
         try:
             blobs.same_store(app.state.redis, app.state.blobs)
@@ -69,9 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # instead of failing with "Too many connections".
         # (A connect timeout counts this process's event loop too: 10 s, not 2, so a loop busy
         # with a thousand streams does not fail a read that Redis would answer.)
-        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30,
-                                                        socket_connect_timeout=10, socket_timeout=30)
-        app.state.aredis = aioredis.Redis(connection_pool=pool, retry=_retry(AsyncRetry))
+        app.state.aredis = redis_url.connect_async(settings.redis_url, pool=64, wait=30, retry=_retry(AsyncRetry),
+                                                   socket_connect_timeout=10, socket_timeout=30)
 
         async def revoked(ids: set[str]) -> set[str]:
             return await anyio.to_thread.run_sync(tenants.revoked_among, app.state.redis, ids)
@@ -83,8 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             tasks.start_soon(app.state.hub.run)  # every followed stream, one reader
             yield
             tasks.cancel_scope.cancel()
-        await app.state.aredis.aclose()
-        await pool.disconnect()
+        await app.state.aredis.aclose(close_connection_pool=True)
         app.state.redis.close()
 
     # FastAPI's own /docs and /redoc load their JS and CSS from a CDN, blank offline: /docs

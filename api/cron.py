@@ -22,7 +22,6 @@ import logging
 import os
 import time
 
-import redis
 from pydantic import ValidationError
 from rq import cron_job_registry
 from rq.cron import CronJob, CronScheduler
@@ -30,9 +29,10 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 
 from starlette.exceptions import HTTPException
 
-from results import blobs
+from jobs import redis_url
 from jobs.settings import Settings
 from jobs.spec import JOB_FUNC, QUEUES
+from results import blobs
 
 from . import batchfile, jobs, tenants
 from .schemas import JobRequest
@@ -133,4 +133,4 @@ def load(path: str, connection, settings: Settings) -> Scheduler:
 
 def run(path: str) -> None:
     settings = Settings.from_env()
-    load(path, redis.Redis.from_url(settings.redis_url), settings).start()
+    load(path, redis_url.connect(settings.redis_url), settings).start()

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from jobs.redis_url import connect_async
 from results import events, keys
 
 log = logging.getLogger("fanout.api")
@@ -122,7 +123,7 @@ class Hub:
                  revoked: Callable[[set[str]], Awaitable[set[str]]]):
         self.redis = redis  # the shared pool: catch-up reads
         # Its own connection for the blocking read (none of the pool's).
-        self.reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2,
+        self.reader = connect_async(redis_url, socket_connect_timeout=2,
                                               socket_timeout=BLOCK_MS / 1000 + 10)
         self.limit = limit
         self.revoked = revoked  # tenant ids -> those revoked

@@ -19,9 +19,9 @@ from typing import Any
 import redis
 
 from api import batchfile, tenants
-from results import blobs, events
-from jobs import logs
+from jobs import logs, redis_url
 from jobs.settings import Settings
+from results import blobs, events
 from cli.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
 
 def job_body(path: str, args) -> dict[str, Any]:
@@ -117,10 +117,10 @@ def cmd_worker(args) -> None:
         r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
     try:  # a worker that could not read its jobs' items stops here, before taking any
-        blobs.same_store(redis.Redis.from_url(args.redis_url), blobs.open_store(settings.storage_url))
+        blobs.same_store(redis_url.connect(args.redis_url), blobs.open_store(settings.storage_url))
     except redis.RedisError as e:
         logging.getLogger("fanout.worker").warning("cannot check the blob store against Redis yet: %s", e)
-    consumer = Consumer(engine, redis.Redis.from_url(args.redis_url), settings,
+    consumer = Consumer(engine, redis_url.connect(args.redis_url), settings,
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval,
                         model=args.served_model_name or served_name(args.model))
@@ -287,7 +287,7 @@ def cmd_cancel(args) -> None:
 
 def cmd_keys(args) -> None:
     """Operator commands: straight to Redis, no API."""
-    conn = redis.Redis.from_url(args.redis_url)
+    conn = redis_url.connect(args.redis_url)
     if args.keys_cmd == "create":
         limits = {name: getattr(args, name) for name in tenants.LIMITS if getattr(args, name) is not None}
         key, tenant = tenants.create(conn, args.name, limits, args.high_priority)

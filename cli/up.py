@@ -14,9 +14,9 @@ import sys
 import time
 
 import httpx
-import redis
 
 from cli.redis_server import EmbeddedRedis, free_port, port_is_free
+from jobs.redis_url import connect
 
 ENV = os.environ.get
 
@@ -49,7 +49,7 @@ def run(args, worker_flags: list[str]) -> None:
     embedded = None
     if args.redis_url:
         redis_url = args.redis_url
-        with redis.Redis.from_url(redis_url) as r:
+        with connect(redis_url) as r:
             r.ping()  # fail here, not in each child
         print(f"fanout: REDIS_URL={redis_url}", file=sys.stderr)
     else:
@@ -93,7 +93,7 @@ def _run_children(args, redis_url: str, model: str, worker_flags: list[str]) -> 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     url = f"http://{args.host}:{args.port}"
-    conn = redis.Redis.from_url(redis_url)
+    conn = connect(redis_url)
     ready = False
     exited = None
     try:

@@ -12,6 +12,7 @@ import pytest
 import redis as redis_lib
 
 from cli.redis_server import EmbeddedRedis, free_port
+from jobs.redis_url import connect
 from worker.engine.models.tiny import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -156,7 +157,7 @@ class WorkerProc:
         self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
                           "--redis-url", self.redis_url, "--drain-timeout", "0", *self.args],
                          {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"), self.wrap)
-        conn = redis_lib.Redis.from_url(self.redis_url)
+        conn = connect(self.redis_url)  # a redis+sentinel:// URL too
 
         def registered():
             if not self.proc.alive():
