@@ -2,7 +2,7 @@
 item entries per shard, kept in the job's Redis list (jobs/shards.py) or, for a large
 job, in the blob store, one object per shard (keys.items_blob), written at submit
 (store_items) or as a file's lines are read (Builder). A worker reads its shard's back
-(worker/consumer.py)."""
+(worker/attempts.py)."""
 from __future__ import annotations
 
 import json

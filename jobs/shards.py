@@ -377,7 +377,7 @@ def settle(redis, job_id: str, k: int, job: Job, execution: Execution, outcome: 
                         pipe.hincrby(counters, f"strikes:{k}", 1)
                     job.started_at = None
                     q = Queue(job.origin, connection=redis, serializer=JSONSerializer)
-                    if applied == HELD:  # the workers' schedulers queue it again then (consumer.tick)
+                    if applied == HELD:  # the workers' schedulers queue it again then (Member.schedule)
                         q.schedule_job(job, datetime.now(timezone.utc) + timedelta(seconds=hold), pipeline=pipe)
                     else:
                         q.enqueue_job(job, pipeline=pipe, at_front=True)
