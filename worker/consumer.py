@@ -53,7 +53,7 @@ from .drain import Drain
 from .engine import Engine, EngineError
 from .member import Member
 from .metrics import WorkerMetrics
-from .outage import Link
+from .outage import Link, no_retries
 from .publish import Publisher
 from .reaper import Reaper
 
@@ -70,6 +70,7 @@ class Consumer:
     def __init__(self, engine: Engine, connection, settings: Settings, queues=None,
                  name: str | None = None, drain_timeout: float = 30.0, delta_interval: float = 0.1,
                  model: str = "model"):
+        no_retries(connection)  # before Member: rq's scheduler copies the connection's settings
         self.engine = engine
         self.drain = Drain(drain_timeout)
         self.member = Member(queues or QUEUE_ORDER, connection, settings, engine, model, name=name)

@@ -37,13 +37,17 @@ log = logging.getLogger("fanout.worker")
 MAX_BACKOFF = 5.0  # seconds between tries while Redis is away
 
 
+def no_retries(connection) -> None:
+    """Connection errors come to the Link, which knows whether a write may be sent again;
+    redis-py's own retries would send a transaction again whose reply was lost. Set before
+    anything copies the connection's settings (rq's scheduler makes its own from them)."""
+    connection.set_retry(Retry(NoBackoff(), 0))
+
+
 class Link:
     def __init__(self, connection, worker: str, metrics: WorkerMetrics, drain: Drain,
                  on_back: Callable[[], None], on_lost: Callable[[], None], on_abandon: Callable[[], None]):
-        # Connection errors come to this object, which knows whether a write may be sent
-        # again; redis-py's own retries would send a transaction again whose reply was lost.
-        connection.set_retry(Retry(NoBackoff(), 0))
-        self.connection = connection
+        self.connection = connection  # sends each command once: see no_retries
         self.metrics = metrics
         self.drain = drain
         self._on_back, self._on_lost, self._on_abandon = on_back, on_lost, on_abandon

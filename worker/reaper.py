@@ -3,9 +3,10 @@
 A shard attempt's execution in rq's StartedJobRegistry has a score = the time its
 heartbeat expires; its worker pushes it forward every third of the TTL. rq would mark
 expired ones failed in its maintenance (at a worker's start, then every 10 minutes), with no
-stream entries and no retry; the Fanout worker leaves that to this module instead
-(Member.clean_registries) and calls `reap` every few seconds (`Reaper`): each expired shard
-is settled (jobs/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
+stream entries and no retry; the Fanout worker leaves that to this module instead (its loop
+reaps before rq's maintenance, whose Member.clean_registries skips the StartedJobRegistry)
+and calls `reap` every few seconds (`Reaper`): each expired shard is settled
+(jobs/shards.py) in one transaction: canceled (a cancel was asked: nobody watched its
 flag), retried (it resumes on a live worker from its stored samples; a strike only if the
 dead attempt stored nothing) or, struck more often than the job's retries, failed with
 its job, with its stream entries; a terminal one exactly once.

@@ -352,3 +352,22 @@ def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(mo
         w.link.connection.close()
         r.close()
         server.stop()
+
+
+def test_the_worker_and_rqs_scheduler_send_each_command_once(engine, tmp_path):
+    """redis-py retries a failed command by default (its pool keeps a Retry): the worker's
+    connection must not, or a transaction whose reply was lost is sent twice, and neither
+    may the connection rq's scheduler makes from its settings (a due shard queued twice)."""
+    from worker.consumer import Consumer
+
+    server = EmbeddedRedis()
+    try:
+        conn = redis_lib.Redis(port=server.port)  # as a library user would make one
+        assert conn.get_retry().get_retries() > 0
+        w = Consumer(engine, conn, Settings(redis_url=server.url, storage_url=f"file://{tmp_path}/blobs"),
+                     name="once")
+        assert w.link.connection.get_retry().get_retries() == 0
+        assert w.member.delayed.connection.get_retry().get_retries() == 0
+        w.link.connection.close()
+    finally:
+        server.stop()
