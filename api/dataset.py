@@ -134,18 +134,31 @@ def job_seed(req: JobRequest) -> int:
 
 
 def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobRequest, settings: Settings,
-         builder: items.Builder, seed: int) -> jobs.Planned:
+         builder: items.Builder, seed: int, checkpoint=None, resume: dict | None = None) -> jobs.Planned:
     """The job of `req` (which names its dataset) from the dataset's rows (rows()), laid out
-    by `builder`; RequestValidationError naming the lines or rows at fault (MAX_ERRORS at most)."""
+    by `builder`; RequestValidationError naming the lines or rows at fault (MAX_ERRORS at most).
+    `checkpoint(state)` gets, every few seconds while no row is at fault, where a reader
+    could resume (the row to read next and what the rows before it came to); `resume`, such
+    a state: the rows before it are skipped, their shards already written."""
     shared = req.sampling_params.model_dump(mode="json", exclude_defaults=True)
     shared.pop("seed", None)  # the job seed (job_seed), not each line's own
     errors, kind, seen = [], None, Seen()
-    tokens = 0
+    tokens, row = 0, 0  # row: the row in hand, the first of the shard it starts when a checkpoint comes
+    if resume is not None:
+        builder.restore(resume)
+        tokens, kind = resume["tokens"], resume["kind"]
+        for custom_id in builder.custom_ids():
+            seen.add(custom_id)
+    if checkpoint is not None:
+        builder.on_shards = lambda state: checkpoint({**state, "row": row, "tokens": tokens, "kind": kind})
 
     def error(n: int, msg: str, loc=(), kind_="value_error") -> None:
         errors.append({"loc": _loc(req.input, n, loc), "msg": msg, "type": kind_})
 
     for n, raw in records:
+        if resume is not None and n < resume["row"]:
+            continue  # laid out before
+        row = n
         if len(errors) >= MAX_ERRORS:
             break
         if isinstance(raw, BatchFileError):

@@ -8,9 +8,12 @@
          (jobs.create), or `failed`, its `error` and `errors` naming the lines at fault
 
 The lease (keys.validation, FANOUT_VALIDATION_LEASE seconds) is renewed as the lines are
-read; a process that died midway leaves it to expire, and the sweep of any API process
-(api/sweep.py) starts the validation again from the first line: the layout writes the same
-objects, and the job keeps its id, seed and claim. A job canceled while validating is never queued.
+read; every couple of seconds, once the shards laid out so far are written, a checkpoint
+(keys.checkpoint: the row to read next, the layout so far) is saved under the lease. A
+process that died midway leaves the lease to expire, and the sweep of any API process
+(api/sweep.py) resumes the validation from the checkpoint (or the first line): the rows
+before it are skipped, the custom ids seen read back from their shards, the layout writes
+the same objects, and the job keeps its id, seed and claim. A job canceled while validating is never queued.
 """
 from __future__ import annotations
 
@@ -102,7 +105,13 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
             chunks = dataset.open_url(req.input_url, settings, store, tenant)
         form, records = dataset.rows(chunks)
         redis.hset(keys.info(job_id), "input_format", form)  # its output's default format (GET /output)
-        planned = dataset.plan(_renewing(records, lease, redis, job_id), req, settings, builder, int(info["seed"]))
+        saved = redis.get(keys.checkpoint(job_id))
+        resume = json.loads(saved) if saved else None
+        if resume is not None:
+            log.warning("job %s: resuming its validation at row %d (%d items laid out before)", job_id,
+                     resume["row"], resume["count"])
+        planned = dataset.plan(_renewing(records, lease, redis, job_id), req, settings, builder, int(info["seed"]),
+                               _saver(redis, job_id, lease, settings), resume)
         jobs.create(redis, planned, settings, req.priority, req.run_at, req.metadata, job_id, tenant=tenant,
                     validated=lease)
         log.info("job %s: dataset validated, %d items queued", job_id, len(planned.ns))
@@ -127,6 +136,22 @@ def spawn(redis, store: blobs.Store, settings: Settings, job_id: str, lease: Lea
     lease to expire, and another one's sweep starts the validation again)."""
     threading.Thread(target=validate, args=(redis, store, settings, job_id, lease), daemon=True,
                      name=f"validate-{job_id}").start()
+
+
+def _saver(redis, job_id: str, lease: Lease, settings: Settings):
+    """plan's checkpoint: written while this process holds the lease (Lost if not)."""
+    def save(state: dict) -> None:
+        with redis.pipeline() as pipe:
+            try:
+                pipe.watch(lease.key)
+                if not lease.held(pipe):
+                    raise Lost(lease.key)
+                pipe.multi()
+                pipe.set(keys.checkpoint(job_id), json.dumps(state), ex=settings.job_timeout + settings.result_ttl)
+                pipe.execute()
+            except WatchError:  # the lease changed hands meanwhile
+                raise Lost(lease.key) from None
+    return save
 
 
 def _renewing(records, lease: Lease, redis, job_id: str):
@@ -160,7 +185,10 @@ def _fail(redis, job_id: str, settings: Settings, errors: list[dict] | None, mes
 
 
 def _done(redis, job_id: str, lease: Lease) -> None:
-    redis.srem(keys.validating(), job_id)
+    with redis.pipeline() as pipe:
+        pipe.srem(keys.validating(), job_id)
+        pipe.delete(keys.checkpoint(job_id))
+        pipe.execute()
     lease.release()
 
 

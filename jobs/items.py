@@ -9,6 +9,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterator
 
 from results import blobs, keys
 from results.progress import Bounds, Ns
@@ -44,6 +45,7 @@ def layout(spec: JobSpec, settings: Settings) -> Layout:
                                       for k in range(len(bounds) - 1)], shared)
 
 
+STATE_EVERY = 2.0  # seconds between two states a Builder hands to on_shards
 STORE_THREADS = 8  # objects written at once: a round trip (or an fsync) each, not one after another
 
 
@@ -67,11 +69,31 @@ class Builder:
     that died midway leaves nothing behind."""
     DUE_EVERY = 256
 
-    def __init__(self, redis, store, job_id: str, samples: int):
+    def __init__(self, redis, store, job_id: str, samples: int, on_shards=None, state_every: float = STATE_EVERY):
         self.redis, self.store, self.job_id = redis, store, job_id
         self.cut, self.bounds, self.entries, self.count = Cut(samples), Bounds(), [], 0
         self.ns = Ns()  # the items' samples, as they come
         self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
+        # on_shards(state): called as a shard starts (at most every state_every seconds), once
+        # every shard before it is written: where a reader that died resumes (api/validation.py).
+        self.on_shards, self.state_every = on_shards, state_every
+        self.next_state = time.monotonic() + state_every
+
+    def state(self) -> dict:
+        """The items laid out so far, all in written shards (only between shards)."""
+        assert not self.entries, "a shard is half laid out"
+        return {"bounds": self.bounds.encode(), "ns": self.ns.encode(), "count": self.count}
+
+    def restore(self, state: dict) -> None:
+        """Carry on after `state` (state()): the next item starts the next shard."""
+        self.bounds, self.ns, self.count = Bounds.decode(state["bounds"]), Ns.decode(state["ns"]), state["count"]
+
+    def custom_ids(self) -> Iterator[str]:
+        """The custom ids of the items in the shards written so far (read back from the store)."""
+        for k in range(self.bounds.shards):
+            for entry in json.loads(b"".join(self.store.get(keys.items_blob(self.job_id, k)))):
+                if "c" in entry:
+                    yield entry["c"]
 
     def add(self, entry: str, n: int, custom_id: str | None = None) -> None:
         """The next item: its entry (JobSpec.layout's form), its samples and its custom id,
@@ -80,6 +102,12 @@ class Builder:
         if self.cut.add(n):
             self._flush()
             self.bounds.add(self.count - self.bounds.items)
+            if self.on_shards is not None and time.monotonic() >= self.next_state:
+                for f in self.pending:  # every shard before this one written
+                    f.result()
+                self.pending = []
+                self.on_shards(self.state())
+                self.next_state = time.monotonic() + self.state_every
         if custom_id is not None:
             entry = entry[:-1] + ',"c":' + json.dumps(custom_id) + "}"
         self.entries.append(entry)

@@ -41,7 +41,7 @@ class Settings:
     shard_hold: int = 10
     # An API process validating a dataset job holds it this long (seconds) between renewals;
     # one that died is replaced by another's sweep once it has run out.
-    validation_lease: int = 30
+    validation_lease: int = 15
     # A job is cut into shards of about this many samples (whole items: one with more is a
     # shard of its own) that any worker takes; each job keeps at most `shard_window` of them
     # queued (more are released as workers take them), so jobs of one priority interleave.

@@ -156,6 +156,12 @@ def validation(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:validation"
 
 
+def checkpoint(job_id: str) -> str:
+    """JSON: how far a dataset job's validation got, its shards written up to there
+    (api/validation.py); the process that takes over after one died resumes from it."""
+    return f"{PREFIX}:job:{job_id}:checkpoint"
+
+
 def files(tenant: str | None) -> str:
     """Sorted set of the tenant's file ids (every file in open mode), scored by creation time."""
     return f"{PREFIX}:files" if tenant is None else f"{PREFIX}:tenant:{tenant}:files"

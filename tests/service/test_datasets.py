@@ -3,6 +3,7 @@ POST /v1/jobs `input_file_id`) runs as the same items in a body would, past the 
 cap, with its items in the blob store; bad lines are named."""
 import json
 import os
+import re
 import time
 
 import httpx
@@ -223,9 +224,10 @@ def test_custom_ids_seen_past_memory_go_to_disk(monkeypatch):
 
 
 def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_path, storage_dir):
-    """kill -9 of the API process reading a dataset: the other API process of its Redis
-    starts the validation again once the lease has expired (FANOUT_VALIDATION_LEASE, then
-    its next sweep), and the job is laid out once, whole, with its id and seed."""
+    """kill -9 of the API process reading a dataset, once it saved a checkpoint: the other
+    API process of its Redis resumes the validation from there once the lease has expired
+    (FANOUT_VALIDATION_LEASE, then its next sweep), and the job is laid out once, whole,
+    with its id and seed."""
     import signal
 
     import redis as redis_lib
@@ -248,6 +250,7 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
                                                  "run_at": "2099-01-01T00:00:00Z"}).json()
         assert job["status"] == "validating"
         wait_for(lambda: os.path.isdir(storage_dir / "jobs" / job["id"] / "items"), 30, "its first shards laid out")
+        wait_for(lambda: r.exists(keys.checkpoint(job["id"])), 30, "its first checkpoint")
         dying.stop(signal.SIGKILL)
         assert httpx.get(f"{other_url}/v1/jobs/{job['id']}").json()["status"] == "validating"
         t0 = time.monotonic()
@@ -256,8 +259,12 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
         took = time.monotonic() - t0
         assert info["status"] == "scheduled" and info["progress"]["total"] == 60_000 and info["seed"] == 9, info
         with open(other.log_path, errors="replace") as log:
-            assert "stopped midway (its API process went away); starting it again" in log.read()
+            text = log.read()
+        assert "stopped midway (its API process went away); starting it again" in text
+        resumed = re.search(r"resuming its validation at row (\d+) \((\d+) items laid out before\)", text)
+        assert resumed and int(resumed[1]) > 1 and int(resumed[2]) == int(resumed[1]) - 1, text[-2000:]
         assert took >= lease - 1  # not before the dead one's lease ran out
+        print(f"\nvalidation resumed at row {resumed[1]} of 60,000; queued {took:.1f} s after the kill")
         page = httpx.get(f"{other_url}/v1/jobs/{job['id']}/results", params={"offset": 59_990, "limit": 10}).json()
         assert [it["custom_id"] for it in page["items"]] == [f"k{i}" for i in range(59_990, 60_000)]
         assert not r.sismember(keys.validating(), job["id"])
@@ -288,3 +295,56 @@ def test_a_dataset_of_openai_batch_lines_runs_their_items(api_url, worker, engin
     assert job["status"] == "failed", job
     assert [e["loc"] for e in job["errors"]] == [["body", "input_file_id", 2, "body", "stream"],
                                                  ["body", "input_file_id", 3, "url"]], job["errors"]
+
+
+def test_a_resumed_validation_lays_out_the_same_and_knows_the_ids_before_its_checkpoint(tmp_path):
+    """plan() over a dataset, its reader dying after 23 rows, then resumed from its last
+    checkpoint by a new builder: the same shards and layout as one reading of it, and a
+    custom id repeated after the checkpoint of one before it is still named."""
+    import redis as redis_lib
+    from fastapi.exceptions import RequestValidationError
+
+    from api.dataset import plan
+    from api.schemas import JobRequest
+    from cli.redis_server import EmbeddedRedis
+    from jobs import items
+    from jobs.settings import Settings
+    from results import blobs
+
+    server = EmbeddedRedis()
+    r = redis_lib.Redis.from_url(server.url)
+    store = blobs.open_store(str(tmp_path))
+    settings, req = Settings(shard_samples=3), JobRequest(input_url="file:///rows.jsonl")
+    rows = [(i + 1, json.dumps({"prompt": f"p{i}", "custom_id": f"c{i}",
+                                "sampling_params": {"n": 1 + i % 3}}).encode()) for i in range(40)]
+
+    def builder(job: str) -> items.Builder:
+        return items.Builder(r, store, job, settings.shard_samples, state_every=0)  # a state at every shard
+
+    def dying(records, after: int):
+        for rec in records:
+            if rec[0] > after:
+                raise ConnectionResetError("the reader's process died")
+            yield rec
+
+    try:
+        whole = plan(iter(rows), req, settings, builder("whole"), 7)
+        for job, tail in (("resumed", []), ("repeated", [(41, json.dumps({"prompt": "x", "custom_id": "c2"}).encode())])):
+            saved = []
+            with pytest.raises(ConnectionResetError):
+                plan(dying(iter(rows + tail), 23), req, settings, builder(job), 7, saved.append)
+            assert saved and saved[-1]["row"] <= 23 and saved[-1]["count"] == saved[-1]["row"] - 1
+            if not tail:
+                got = plan(iter(rows), req, settings, builder(job), 7, saved.append, saved[-1])
+                assert (got.kind, list(got.ns), got.tokens) == (whole.kind, list(whole.ns), whole.tokens)
+                assert got.lay.bounds == whole.lay.bounds
+                for k in range(got.lay.total):
+                    assert b"".join(store.get(keys.items_blob(job, k))) == \
+                        b"".join(store.get(keys.items_blob("whole", k)))
+            else:
+                with pytest.raises(RequestValidationError) as e:
+                    plan(iter(rows + tail), req, settings, builder(job), 7, None, saved[-1])
+                assert "custom_id 'c2' is used by an earlier line" in str(e.value.errors())
+    finally:
+        r.close()
+        server.stop()
