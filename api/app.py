@@ -134,6 +134,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for error in unavailable.REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
 
+    @app.exception_handler(redis_url.PoolBusy)
+    async def busy(request: Request, exc: redis_url.PoolBusy):
+        # This process's connections to Redis are all in use (a burst of streams): not an outage.
+        message = f"this API process is busy: {exc}; try again"
+        if is_openai(request.url.path):
+            return OpenAIError(503, message, type="server_error", code="busy").response()
+        return JSONResponse({"detail": message}, status_code=503)
+
     @app.exception_handler(blobs.StoreError)
     async def store_down(request: Request, exc: blobs.StoreError):
         # As for Redis: what failed is in the log, under the ref.

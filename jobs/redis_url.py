@@ -12,6 +12,7 @@ the new primary; until the sentinels have elected it, commands fail as when Redi
 (jobs/unavailable.py)."""
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -20,6 +21,23 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
 SENTINEL = ("redis+sentinel", "rediss+sentinel")
+
+
+class PoolBusy(redis.RedisError):
+    """Every connection of this process's pool stayed in use for as long as a command may
+    wait for one: this process is busy, Redis is not away (not a ConnectionError, so it is
+    never reported as Redis being down, nor retried as one)."""
+
+
+class _WaitingPool(aioredis.BlockingConnectionPool):
+    async def get_connection(self, *args, **kwargs):
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as e:
+            if isinstance(e.__cause__, asyncio.TimeoutError):  # waited `timeout` for a free one
+                raise PoolBusy(f"none of this process's {self.max_connections} Redis connections came free "
+                               f"within {self.timeout} s") from e
+            raise
 
 
 def sentinel(url: str) -> tuple[list[tuple[str, int]], str, dict, dict]:
@@ -61,13 +79,14 @@ def connect(url: str, **kwargs) -> redis.Redis:
 
 def connect_async(url: str, pool: int | None = None, wait: float | None = None, **kwargs) -> aioredis.Redis:
     """The asyncio client for the Redis at `url`. `pool`: at most that many connections, a
-    command waiting up to `wait` seconds for a free one (a sentinel-managed pool cannot
-    wait: it is left unbounded instead, so that a busy moment never fails a command)."""
+    command waiting up to `wait` seconds for a free one, then PoolBusy (a sentinel-managed
+    pool cannot wait: it is left unbounded instead, so that a busy moment never fails a
+    command)."""
     if urlsplit(url).scheme not in SENTINEL:
         if pool is None:
             return aioredis.Redis.from_url(url, **kwargs)
         retry = kwargs.pop("retry", None)
-        blocking = aioredis.BlockingConnectionPool.from_url(url, max_connections=pool, timeout=wait, **kwargs)
+        blocking = _WaitingPool.from_url(url, max_connections=pool, timeout=wait, **kwargs)
         return aioredis.Redis(connection_pool=blocking, retry=retry)
     hosts, service, options, own = sentinel(url)
     timeouts = {k: v for k, v in kwargs.items() if k in ("socket_connect_timeout", "socket_timeout")}

@@ -23,3 +23,33 @@ def test_a_bad_sentinel_url_is_refused_naming_redis_url(url, says):
     with pytest.raises(ValueError, match="REDIS_URL") as e:
         sentinel(url)
     assert says in str(e.value)
+
+
+def test_a_busy_pool_is_told_apart_from_redis_being_away():
+    """The API's pool of connections all in use for longer than a command may wait: PoolBusy
+    (the API answers 503 'this API process is busy'), not the ConnectionError that reads as
+    Redis being down; once one is free, commands go through."""
+    import asyncio
+
+    import redis
+
+    from cli.redis_server import EmbeddedRedis
+    from jobs.redis_url import PoolBusy, connect_async
+
+    server = EmbeddedRedis()
+
+    async def main():
+        client = connect_async(server.url, pool=1, wait=0.5)
+        holder = asyncio.create_task(client.blpop(["nothing"], timeout=2))  # holds the one connection
+        await asyncio.sleep(0.2)
+        with pytest.raises(PoolBusy, match="within 0.5 s") as e:
+            await client.get("x")
+        assert not isinstance(e.value, redis.ConnectionError)
+        await holder
+        assert await client.get("x") is None
+        await client.aclose(close_connection_pool=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
