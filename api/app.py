@@ -123,13 +123,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             detail.append(e)
         return JSONResponse({"detail": detail}, status_code=422)
 
+    def unavailable_now(request: Request, message: str, code: str | None = None) -> JSONResponse:
+        """A 503 in the route's format (RetryAfter adds its header)."""
+        if is_openai(request.url.path):
+            return OpenAIError(503, message, type="server_error", code=code).response()
+        return JSONResponse({"detail": message}, status_code=503)
+
     async def redis_down(request: Request, exc: Exception):
         # The client learns that Redis is away or full, not where it lives: the log has the details.
         what = unavailable.describe(exc)
-        message = f"{what} (ref {_logged(what, exc, stack=False)})"
-        if is_openai(request.url.path):
-            return OpenAIError(503, message, type="server_error").response()
-        return JSONResponse({"detail": message}, status_code=503)
+        return unavailable_now(request, f"{what} (ref {_logged(what, exc, stack=False)})")
 
     for error in unavailable.REDIS_DOWN:
         app.add_exception_handler(error, redis_down)
@@ -137,18 +140,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(redis_url.PoolBusy)
     async def busy(request: Request, exc: redis_url.PoolBusy):
         # This process's connections to Redis are all in use (a burst of streams): not an outage.
-        message = f"this API process is busy: {exc}; try again"
-        if is_openai(request.url.path):
-            return OpenAIError(503, message, type="server_error", code="busy").response()
-        return JSONResponse({"detail": message}, status_code=503)
+        return unavailable_now(request, f"this API process is busy: {exc}; try again", "busy")
 
     @app.exception_handler(blobs.StoreError)
     async def store_down(request: Request, exc: blobs.StoreError):
         # As for Redis: what failed is in the log, under the ref.
-        message = f"blob store unavailable (ref {_logged('blob store unavailable', exc, stack=False)}); try again"
-        if is_openai(request.url.path):
-            return OpenAIError(503, message, type="server_error", code="store_unavailable").response()
-        return JSONResponse({"detail": message}, status_code=503)
+        ref = _logged("blob store unavailable", exc, stack=False)
+        return unavailable_now(request, f"blob store unavailable (ref {ref}); try again", "store_unavailable")
 
     @app.exception_handler(tenants.OverLimit)
     async def over_limit(request: Request, exc: tenants.OverLimit):
@@ -159,9 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(streams.TooManyStreams)
     async def too_many_streams(request: Request, exc: streams.TooManyStreams):
-        if is_openai(request.url.path):
-            return OpenAIError(503, str(exc), type="server_error", code="too_many_streams").response()
-        return JSONResponse({"detail": str(exc)}, status_code=503)
+        return unavailable_now(request, str(exc), "too_many_streams")
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
