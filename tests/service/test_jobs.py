@@ -1,5 +1,6 @@
 """End to end over real HTTP, a real Redis server and a real worker process."""
 import json
+import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
@@ -229,17 +230,20 @@ def test_sigterm_hands_jobs_back_and_the_retry_resumes(client, engine, redis, wo
     it = reader.follow(redis, job["id"], timeout=60)
     first = next(e for _, e in it if e["type"] == "final")
     assert first["index"] == 0
-    assert worker.stop() == 0  # warm shutdown, drain timeout 0: hand back now
-    rq_job = Job.fetch(job["id"] + "-0", connection=redis, serializer=JSONSerializer)
-    assert rq_job.get_status() == "queued"
-    assert rq_job.get_position() == 0  # at the front of its queue
-    assert rq_job.id not in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
-    info = client.status(job["id"])
-    assert info["status"] == "queued" and info["progress"]["done"] == 1
-    last = reader.events.decode(redis.xrevrange(keys.stream(job["id"]), count=1)[0][1])
-    assert last == {"type": "status", "status": "queued", "error": "worker shut down; shard handed back"}
-
-    worker.start()
+    t = time.monotonic()
+    code = worker.stop()  # warm shutdown, drain timeout 0: hand back now
+    try:
+        assert code == 0, (code, f"{time.monotonic() - t:.1f} s", worker.proc.tail())
+        rq_job = Job.fetch(job["id"] + "-0", connection=redis, serializer=JSONSerializer)
+        assert rq_job.get_status() == "queued", rq_job.get_status()
+        assert rq_job.get_position() == 0, redis.lrange(rq_job.origin and f"rq:queue:{rq_job.origin}", 0, -1)
+        assert rq_job.id not in StartedJobRegistry(rq_job.origin, connection=redis).get_job_ids()
+        info = client.status(job["id"])
+        assert info["status"] == "queued" and info["progress"]["done"] == 1, info
+        last = reader.events.decode(redis.xrevrange(keys.stream(job["id"]), count=1)[0][1])
+        assert last == {"type": "status", "status": "queued", "error": "worker shut down; shard handed back"}
+    finally:
+        worker.start()  # the session's worker, whatever the checks above said
     entries = [e for _, e in reader.follow(redis, job["id"], timeout=60)]
     info = client.status(job["id"])
     assert info["status"] == "succeeded" and info["attempt"] == 2
