@@ -32,6 +32,7 @@ from jobs.unavailable import REDIS_DOWN
 from results import keys
 
 log = logging.getLogger("fanout.worker")
+LISTEN_S = 1.0  # the longest read of rq's command listener: how long a shutdown may wait for it
 
 
 class Member(BaseWorker):
@@ -62,6 +63,18 @@ class Member(BaseWorker):
             time.sleep(2.0)
             return
         super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
+
+    def subscribe(self) -> None:
+        """rq's, with its listener thread waking every second, not every 60. redis-py's
+        PubSubWorkerThread.stop() (8.x) waits for the thread, which reads its stop flag only
+        between reads: when the unsubscribe's reply came before the flag was cleared (the loop
+        descheduled a moment, as under load), a shutdown waited up to a minute, past a pod's
+        grace period and the tests' 30 s."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=LISTEN_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
 
     def busy(self, pipe) -> None:
         """A claim's writes of the worker's own (in the claim's transaction)."""

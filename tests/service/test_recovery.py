@@ -371,3 +371,28 @@ def test_the_worker_and_rqs_scheduler_send_each_command_once(engine, tmp_path):
         w.link.connection.close()
     finally:
         server.stop()
+
+
+def test_the_workers_command_listener_stops_within_its_read(engine, tmp_path):
+    """rq's listener thread (worker commands over pub/sub) is stopped at shutdown, and
+    redis-py 8 waits for it: when the unsubscribe's reply is read before the stop (the
+    loop descheduled a moment, as under load), the stop waits for the listener's next
+    read to end: rq's 60 s made a SIGTERM'd worker outlive the tests' 30 s (then kill -9)."""
+    from worker.consumer import Consumer
+    from worker.member import LISTEN_S
+
+    server = EmbeddedRedis()
+    try:
+        w = Consumer(engine, redis_lib.Redis.from_url(server.url),
+                     Settings(redis_url=server.url, storage_url=f"file://{tmp_path}/blobs"), name="listener")
+        w.member.subscribe()
+        time.sleep(0.2)
+        w.member.pubsub.unsubscribe()
+        time.sleep(0.1)  # the reply read first, the listener back in its read
+        t = time.monotonic()
+        w.member.pubsub_thread.stop()
+        assert time.monotonic() - t < LISTEN_S + 2, f"the listener stopped {time.monotonic() - t:.1f} s later"
+        w.member.pubsub.close()
+        w.link.connection.close()
+    finally:
+        server.stop()
