@@ -109,7 +109,7 @@ def validate(redis, store: blobs.Store, settings: Settings, job_id: str, lease: 
         resume = json.loads(saved) if saved else None
         if resume is not None:
             log.warning("job %s: resuming its validation at row %d (%d items laid out before)", job_id,
-                     resume["row"], resume["count"])
+                        resume["row"], resume["count"])
         planned = dataset.plan(_renewing(records, lease, redis, job_id), req, settings, builder, int(info["seed"]),
                                _saver(redis, job_id, lease, settings), resume)
         jobs.create(redis, planned, settings, req.priority, req.run_at, req.metadata, job_id, tenant=tenant,

@@ -69,14 +69,14 @@ class Builder:
     that died midway leaves nothing behind."""
     DUE_EVERY = 256
 
-    def __init__(self, redis, store, job_id: str, samples: int, on_shards=None, state_every: float = STATE_EVERY):
+    def __init__(self, redis, store, job_id: str, samples: int, state_every: float = STATE_EVERY):
         self.redis, self.store, self.job_id = redis, store, job_id
         self.cut, self.bounds, self.entries, self.count = Cut(samples), Bounds(), [], 0
         self.ns = Ns()  # the items' samples, as they come
         self.pool, self.pending = ThreadPoolExecutor(STORE_THREADS), []
         # on_shards(state): called as a shard starts (at most every state_every seconds), once
         # every shard before it is written: where a reader that died resumes (api/validation.py).
-        self.on_shards, self.state_every = on_shards, state_every
+        self.on_shards, self.state_every = None, state_every  # set by the reader (dataset.plan)
         self.next_state = time.monotonic() + state_every
 
     def state(self) -> dict:

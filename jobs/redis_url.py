@@ -68,13 +68,18 @@ def sentinel(url: str) -> tuple[list[tuple[str, int]], str, dict, dict]:
     return hosts, path[0], options, own
 
 
+def _primary(sentinel_class, url: str, kwargs: dict):
+    """The client of the primary that the sentinels of `url` name (sync or asyncio)."""
+    hosts, service, options, own = sentinel(url)
+    timeouts = {k: v for k, v in kwargs.items() if k in ("socket_connect_timeout", "socket_timeout")}
+    return sentinel_class(hosts, sentinel_kwargs={**own, **timeouts}).master_for(service, **options, **kwargs)
+
+
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for the Redis at `url` (kwargs: redis-py's connection options)."""
     if urlsplit(url).scheme not in SENTINEL:
         return redis.Redis.from_url(url, **kwargs)
-    hosts, service, options, own = sentinel(url)
-    timeouts = {k: v for k, v in kwargs.items() if k in ("socket_connect_timeout", "socket_timeout")}
-    return Sentinel(hosts, sentinel_kwargs={**own, **timeouts}).master_for(service, **options, **kwargs)
+    return _primary(Sentinel, url, kwargs)
 
 
 def connect_async(url: str, pool: int | None = None, wait: float | None = None, **kwargs) -> aioredis.Redis:
@@ -88,6 +93,4 @@ def connect_async(url: str, pool: int | None = None, wait: float | None = None, 
         retry = kwargs.pop("retry", None)
         blocking = _WaitingPool.from_url(url, max_connections=pool, timeout=wait, **kwargs)
         return aioredis.Redis(connection_pool=blocking, retry=retry)
-    hosts, service, options, own = sentinel(url)
-    timeouts = {k: v for k, v in kwargs.items() if k in ("socket_connect_timeout", "socket_timeout")}
-    return AsyncSentinel(hosts, sentinel_kwargs={**own, **timeouts}).master_for(service, **options, **kwargs)
+    return _primary(AsyncSentinel, url, kwargs)

@@ -380,8 +380,6 @@ def test_a_batch_whose_results_the_store_lost_fails_naming_them(s3_server, model
     the shards still to run): the job fails naming the items, and the batch fails within
     seconds of it with `results_lost` naming the shard's results. Before: it stayed
     `finalizing`, `errors: null`, for as long as anyone watched (the cause in the API's log)."""
-    import redis as redis_lib
-
     server = EmbeddedRedis()
     bucket = "fanout-" + uuid.uuid4().hex[:8]
     s3 = s3_server.client()
@@ -391,7 +389,6 @@ def test_a_batch_whose_results_the_store_lost_fails_naming_them(s3_server, model
            "FANOUT_SHARD_SAMPLES": "1"}
     worker = WorkerProc(server.url, model_dir, tmp_path, env=env, args=["--max-running", "1"])
     proc, url = start_api(server.url, tmp_path, "api-lost", env=env)
-    r = redis_lib.Redis.from_url(server.url)
     try:
         worker.start()
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
@@ -416,7 +413,6 @@ def test_a_batch_whose_results_the_store_lost_fails_naming_them(s3_server, model
             print(f"\nlost objects: the batch failed {max(0, b.failed_at - int(ended))} s after its job "
                   "(failed_at is in whole seconds)")
     finally:
-        r.close()
         proc.stop()
         worker.stop()
         server.stop()
