@@ -58,9 +58,11 @@ def run_engine(engine, work, sp) -> dict:
             "tokens": sum(len(s.token_ids) for it in items for s in it.samples)}
 
 
-def spawn(args: list[str], env: dict) -> subprocess.Popen:
+def spawn(args: list[str], env: dict, log: str | None = None) -> subprocess.Popen:
+    """`fanout ARGS` as a process; its output to the file `log`, or nowhere."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait(cond, timeout: float, what: str) -> None:

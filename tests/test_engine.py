@@ -402,6 +402,52 @@ def test_fair_shares_let_a_small_owner_join_a_full_engine(llama_path):
     eng.check()
 
 
+def test_step_shares_keep_a_small_owners_steps_short_and_the_big_one_takes_turns(llama_path):
+    """Owner A runs 24 long samples; beside owner B's 2 items, each step holds at most
+    step_share (4) of A's requests (B's steps stay short), A's requests take turns (none
+    falls behind the others by more than a step's worth), B ends while A runs, and A's
+    samples are token for token what they are alone. Alone, A runs whole steps again."""
+    sp_a = SamplingParams(max_new_tokens=80, temperature=0.9, ignore_eos=True)
+    sp_b = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    a_items = [(i, f"bulk item {i}", None) for i in range(24)]
+    alone = Engine(llama_path, max_running=32)
+    ref = {(ev.index, ev.sample): ev.token_ids for ev in alone.generate(
+        prompts=[p for _, p, _ in a_items], sampling_params=sp_a, seed=3, stream=True) if ev.finished}
+
+    eng = Engine(llama_path, max_running=32, step_share=4)
+    sched = eng.scheduler
+    box: list = []
+    eng.add("a", a_items, sp_a, seed=3, sink=box.append)
+    while len(sched.running) < 24 or sched.waiting:
+        eng.step()
+    a_reqs = list(sched.running)
+    eng.add("b", [(0, "small one", None), (1, "small two", None)], sp_b, seed=5, sink=box.append)
+    while len(eng.front.text):  # tokenized on the intake thread, however long that takes here
+        eng.step()
+    before = {r.rid: len(r.output_ids) for r in a_reqs}
+    steps = 0
+    while sum(ev.finished for ev in box if ev.tag == "b") < 2:
+        eng.step()
+        steps += 1
+        ran = [r for r in a_reqs if r.ran_at == sched.steps]
+        assert len(ran) <= 4, f"step {steps}: {len(ran)} of A's requests ran beside B"
+    assert steps >= 29  # B's first token may come with its prefill in the loop above
+    gained = [len(r.output_ids) - before[r.rid] for r in a_reqs]
+    assert sum(gained) <= 4 * steps
+    assert max(gained) - min(gained) <= 1, gained  # turns: least recently run first
+    assert not any(ev.finished for ev in box if ev.tag == "a")
+    eng.step()
+    assert sum(r.ran_at == sched.steps for r in a_reqs) == 24  # alone again: the whole step
+    while sum(ev.finished for ev in box if ev.tag == "a") < 24:
+        eng.step()
+    got: dict = {}
+    for ev in box:
+        if ev.tag == "a":
+            got.setdefault((ev.index, ev.sample), []).extend(ev.token_ids_delta)
+    assert got == ref
+    eng.check()
+
+
 def test_a_text_the_tokenizer_cannot_take_fails_its_item_alone(llama_path):
     """The second wall behind the API's check: a lone surrogate (what JSON's "\\ud800"
     makes) in a prompt or a chat, given to the engine directly, fails its item with a clear

@@ -212,13 +212,25 @@ def test_sigterm_hands_back_shards_and_the_other_worker_finishes(fleet, engine):
     leaving.start()
 
 
+def small_job_seconds(r, client, k: int) -> float:
+    """POST of a 4-item job (32 new tokens each) to `succeeded`, polled every 10 ms."""
+    t = time.monotonic()
+    job = submit(r, PROMPTS[4 * k:4 * k + 4], {"max_new_tokens": 32, "temperature": 0.8, "ignore_eos": True})
+    wait_for(lambda: client.status(job)["status"] == "succeeded", 60, "the small job", interval=0.01)
+    return time.monotonic() - t
+
+
 def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
     """{"prompts": ["x"] * 10000, n: 64, max_new_tokens: 4096}: 640,000 samples from a 50 KB
     body, 10,000 shards of one item. Each worker holds what its engine runs (a window of the
     rest is queued), its loop keeps stepping and heartbeating, another job runs beside it
-    (a full engine takes a shard of a job it runs nothing of, and gives it its share of the
-    slots), and the cancel acts at once."""
+    (a full engine takes a shard of a job it runs nothing of, gives it its share of the
+    slots, and step shares keep its steps short: it takes at most about twice as long as on
+    idle workers; before step shares, 6-15x), and the cancel acts at once."""
     r = fleet["redis"]
+    with Client(fleet["api"]) as client:
+        small_job_seconds(r, client, 0)  # warm
+        idle = sorted(small_job_seconds(r, client, k) for k in range(3))
     huge = jobs.submit(r, JobRequest(prompts=["x"] * 10000, sampling_params={"n": 64, "max_new_tokens": 4096, "ignore_eos": True}),
                        SHARDS)["id"]
     with Client(fleet["api"]) as client:
@@ -234,11 +246,12 @@ def test_a_640000_sample_job_does_not_stall_the_loop(fleet):
         assert all(b is not None and a > b for a, b in zip(beats(), before)), (before, beats())
         assert r.xlen(keys.stream(huge)) > entries_before  # steps go on: deltas keep coming
         assert client.status(huge)["shards"]["running"] >= 2
-        # Both engines are full of 4096-token samples; a small job finishes beside them.
-        small = submit(r, PROMPTS[:4], {"max_new_tokens": 4})
-        t = time.monotonic()
-        wait_for(lambda: client.status(small)["status"] == "succeeded", 60, "the small job", interval=0.1)
-        print(f"small job beside it: {time.monotonic() - t:.2f}s", client.status(huge)["progress"])
+        # Both engines are full of 4096-token samples; a small job finishes beside them, in
+        # about the time it takes on idle workers (the bound leaves room for a busy machine:
+        # bench/beside.py measures the ratio).
+        beside = sorted(small_job_seconds(r, client, k) for k in range(3))
+        print(f"small job idle {idle}, beside it {beside}", client.status(huge)["progress"])
+        assert beside[1] <= 3 * idle[1], (idle, beside)
         # It did not wait for a slot to free: not one of the huge job's samples has ended.
         assert client.status(huge)["progress"]["samples_done"] == 0
         t = time.monotonic()

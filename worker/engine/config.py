@@ -37,6 +37,10 @@ class EngineConfig:
     max_running: int = _knob(256, "requests in the engine (holding KV) at once")
     max_prefill_tokens: int = _knob(2048, "prompt tokens per step: the chunk size of chunked "
                                           "prefill")
+    step_share: int | None = _knob(None, "when requests of several jobs run, a step runs at "
+                                         "most max(this, the least busy job's) requests of each "
+                                         "job, so a small job's steps stay short beside a huge "
+                                         "one (default: 8 on a CPU, 64 on a GPU; 0: no limit)")
     enable_prefix_cache: bool = _knob(True, "share computed prompt prefixes between requests "
                                             "(radix cache)")
     overlap_schedule: bool = _knob(False, "run each step's forward and sampling on a thread "
@@ -75,6 +79,8 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_prefill_tokens", "image_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.step_share is not None and self.step_share < 0:
+            raise ValueError(f"step_share: must be >= 0, got {self.step_share}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ValueError(f"kv_tokens: must be >= 1, got {self.kv_tokens}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -82,7 +82,7 @@ class Engine:
                                            cfg.max_running, cfg.enable_prefix_cache,
                                            self.runner.dtype, self.runner.device)
         self.runner.attach_kv(self.kv_manager.kv, self.kv_manager.rtt)
-        self.scheduler = Scheduler(cfg, self.kv_manager, self.max_context)
+        self.scheduler = Scheduler(cfg, self.kv_manager, self.max_context, self.runner.device.type)
         self.executor = Executor(self.runner, Sampler(mc.vocab_size, self.runner.device),
                                  self.kv_manager)
         eos = set(mc.eos_token_ids)

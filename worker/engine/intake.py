@@ -91,6 +91,10 @@ class TextIntake(_Slices):
             part = items[i:i + TEXT_SLICE]
             self.loading.append((self.pool.submit(self.encode, [(p.index, p.chat, None, p.params.tools) for p in part]), part))
 
+    def owners(self) -> set:
+        """The owners of the items being tokenized."""
+        return {items[0].call.owner for _, items in self.loading if items}
+
     def ready(self, block: bool) -> list[tuple[list[Pending], list | Exception]]:
         """The encoded slices: (items, (ids, image spans, error) per item, or an exception)."""
         return self._done(block)

@@ -58,6 +58,7 @@ class Req:
     last_node: TreeNode | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     num_retractions: int = 0
+    ran_at: int = 0  # the last step it ran in (step shares take turns by it: scheduler.py)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, vocab] when asked
     # With params.prompt_logprobs: of input_ids[1:], in order, as the prefill computes them.
     # Samples of one prompt share its warm-up's list.

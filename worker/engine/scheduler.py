@@ -17,6 +17,14 @@ still cached, its draws depend on (seed, step) only: sampler.py), so outputs do 
 Shares count slots; a pool short of KV pages still retracts the newest requests, whoever
 owns them.
 
+Step shares: slots alone leave a small job's every step as long as a huge one's (256
+decode rows of long samples cost 20-40x a step of 4 on a CPU). So when several owners have
+work, a step runs at most max(step_share, the least busy owner's) requests of each owner;
+an owner's other requests sit the step out, keeping their KV, and take turns (those that
+ran least recently go first). Prefill goes to the least busy owners first. A small job's
+steps then cost about twice what they would alone; two huge jobs (each with more requests
+than the step share) are not limited at all.
+
 A step is schedule() -> Executor.run -> process(): process applies what the batch produced
 (KV lengths, tokens) and decides which requests are done. Every request ends in finish(),
 whoever decides it (a token, the front's stop strings, a fault, an abort), and
@@ -42,6 +50,9 @@ SHARED_PREFIX_MIN = 32
 # A worker whose engine is full takes a new job's shard only while each owner would keep
 # at least this many slots.
 MIN_SHARE = 8
+# step_share's default by device type: a GPU's step costs about the same for 8 requests as
+# for 64, a CPU's grows with every one.
+STEP_SHARE = {"cpu": 8, "cuda": 64}
 
 
 def step_error(exc: BaseException) -> str:
@@ -56,13 +67,16 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kvm: KVManager, max_context: int):
+    def __init__(self, cfg: EngineConfig, kvm: KVManager, max_context: int, device_type: str = "cpu"):
         self.cfg = cfg
+        self.step_share = cfg.step_share if cfg.step_share is not None else STEP_SHARE.get(device_type, 8)
+        self.steps = 0  # steps scheduled (a request's ran_at is one of them)
         self.kvm = kvm
         self.max_context = max_context
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
+        self.owners: Counter = Counter()  # owner -> its unfinished requests here
         self._finished: list[Req] = []
         self.num_retractions = 0
         self.starved: Counter = Counter()  # owner -> its waiting requests within its share
@@ -72,6 +86,7 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         self.by_rid[req.rid] = req
+        self.owners[req.owner] += 1
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -115,7 +130,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kvm.release(req)
-        self.by_rid.pop(req.rid, None)
+        if self.by_rid.pop(req.rid, None) is not None:
+            self.owners[req.owner] -= 1
+            if not self.owners[req.owner]:
+                del self.owners[req.owner]
         self._finished.append(req)
 
     def take_finished(self) -> list[Req]:
@@ -175,12 +193,40 @@ class Scheduler:
                 need -= 1
         return first + rest
 
+    def _share(self, want: Counter) -> int | None:
+        """The requests each owner may run this step, given how many each has that could
+        run (module docstring, "Step shares"); None when there is no limit (one owner, or
+        step_share 0)."""
+        if not self.step_share or len(want) < 2:
+            return None
+        return max(self.step_share, min(want.values()))
+
     def _build(self) -> ScheduleBatch | None:
         kvm = self.kvm
         reqs, lens, locs = [], [], []
         waiting = self._rebalance()
-        # 1. Decode every running request that has one token to run; retract if KV is short.
-        decodes = [r for r in self.running if r.extend_todo == 1]
+        self.steps += 1
+        # 1. Decode every running request that has one token to run, within its owner's
+        # share; retract if KV is short.
+        decodes, candidates = [], []  # then the prefill candidates: chunked ones, then waiting
+        for r in self.running:
+            todo = r.extend_todo
+            if todo == 1:
+                decodes.append(r)
+            elif todo > 1:
+                candidates.append(r)
+        candidates += waiting
+        want = Counter(r.owner for r in decodes) + Counter(r.owner for r in candidates)
+        share = self._share(want)
+        used: Counter = Counter()
+        if share is not None:
+            candidates.sort(key=lambda r: want[r.owner])  # the least busy owners' prefill first
+            turn = set()
+            for r in sorted(decodes, key=lambda r: r.ran_at):
+                if used[r.owner] < share:
+                    used[r.owner] += 1
+                    turn.add(r)
+            decodes = [r for r in decodes if r in turn]
         while decodes and sum(kvm.pages_for(r, 1) for r in decodes) > kvm.available_pages:
             victim = self.running[-1]
             self._retract(victim)
@@ -195,10 +241,11 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         # Keep a page per running request free so the next decode step rarely retracts.
         reserve = len(self.running)
-        candidates = [r for r in self.running if r.extend_todo > 1] + waiting
         for r in candidates:
             if budget <= 0:
                 break
+            if share is not None and used[r.owner] >= share:
+                continue
             new = r.status == ReqStatus.WAITING
             if new:
                 if len(self.running) >= self.cfg.max_running or not kvm.admit(r):
@@ -220,6 +267,7 @@ class Scheduler:
             lens.append(n)
             prefilling.append(r)
             budget -= n
+            used[r.owner] += 1
             if new:
                 self.waiting.remove(r)
                 self.running.append(r)
@@ -229,6 +277,8 @@ class Scheduler:
                 reserve += 1
         if not reqs:
             return None
+        for r in reqs:
+            r.ran_at = self.steps
         return ScheduleBatch(reqs, lens, locs)
 
     def _shares_prefix(self, r: Req, prefilling: list[Req]) -> bool:
