@@ -1,8 +1,10 @@
 """Redis Sentinel: a primary, a replica and three sentinels (real server processes on local
 ports); the API and a worker name them by REDIS_URL=redis+sentinel://.... The primary is
-killed (kill -9) mid-job: once the sentinels have promoted the replica, the job completes,
-each sample final once in its stream and equal to the engine's, and the API answers again.
-The stall (the kill to the worker's next write) is printed."""
+killed (kill -9) mid-job, and again while an API process writes a batch's files: once the
+sentinels have promoted the replica, the job completes, each sample final once in its
+stream and equal to the engine's, the batch completes with each line once, and the API
+answers again. The stalls are printed."""
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ import time
 from collections import Counter
 
 import httpx
+import openai
 import redis as redis_lib
 
 from conftest import WorkerProc, start_api, wait_for
@@ -118,6 +121,57 @@ def test_a_sharded_job_completes_after_the_primary_is_killed(model_dir, engine, 
         print(f"\nsentinel failover: replica promoted {promoted - killed:.1f} s after the kill; the worker "
               f"wrote again {stall:.1f} s after it")
         client.close()
+    finally:
+        for p in (worker, api):
+            if p is not None:
+                p.stop()
+        group.stop()
+
+
+def test_a_batch_finalizing_when_the_primary_is_killed_completes(model_dir, tmp_path):
+    """An OpenAI batch of 3,000 lines; the primary is killed (kill -9) while an API process
+    writes the batch's files (holding its finalize lease). Once the replica is promoted, the
+    batch completes: each custom_id once, one output file, no error file. The stall (the
+    kill to `completed`) is printed."""
+    n = 3000
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "llama", "messages": [{"role": "user", "content": f"question {i}"}],
+                       "max_tokens": 1}} for i in range(n)]
+    group = Group()
+    api = worker = None
+    try:
+        api, url = start_api(group.url, tmp_path, "api")
+        worker = WorkerProc(group.url, model_dir, tmp_path)
+        worker.start()
+        r = connect(group.url)
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
+            f = c.files.create(file=("many.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                               purpose="batch")
+            b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            wait_for(lambda: r.exists(keys.batch_lock(b.id)), 300, "the batch to start finalizing", interval=0.002)
+            group.procs["primary"].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            wait_for(group.promoted, 60, "the replica promoted")
+            promoted = time.monotonic()
+
+            def completed():
+                try:
+                    return c.batches.retrieve(b.id).status == "completed"
+                except (openai.APIStatusError, openai.APIConnectionError) as e:  # a 503 while it fails over
+                    assert getattr(e, "status_code", 503) == 503, e
+                    return False
+            wait_for(completed, 120, "the batch to complete", interval=0.1)
+            took = time.monotonic() - killed
+            done = c.batches.retrieve(b.id)
+            out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+            outputs = [x.id for x in c.files.list(purpose="batch_output") if x.filename.startswith(b.id)]
+        assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+        assert all(x["response"]["status_code"] == 200 for x in out)
+        assert done.request_counts.completed == n and done.request_counts.failed == 0
+        assert done.error_file_id is None and outputs == [done.output_file_id]
+        assert worker.proc.alive(), worker.proc.tail()
+        print(f"\nsentinel failover while finalizing: replica promoted {promoted - killed:.1f} s after the "
+              f"kill; the batch completed {took:.1f} s after it")
     finally:
         for p in (worker, api):
             if p is not None:
