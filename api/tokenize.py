@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize, in vLLM's shapes, with a served model's own tokenizer.
+"""POST /tokenize and /detokenize and GET /tokenizer_info, in vLLM's shapes, with a served
+model's own tokenizer (`model` may be left out while the fleet serves one model).
 
 The API never reads a model's files: each worker publishes its tokenizer's files to Redis
 when it starts (keys.tokenizer, with their digest), and an API process loads them once per
@@ -32,13 +33,18 @@ _loaded: dict[str, tuple[str, object, threading.Lock]] = {}  # model -> (digest,
 _loading = threading.Lock()  # one load at a time (transformers' lazy imports race across threads too)
 
 
+MODEL = Field(None, min_length=1, description="the served model (default: the one the fleet serves, "
+                                              "when it serves one)")
+
+
 class TokenizeRequest(Strict):
-    model: str = Field(min_length=1)
+    model: str | None = MODEL
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = Field(None, description="prompts: true by default; chats: false "
                                                               "(the template holds them)")
     add_generation_prompt: bool = Field(True, description="chats: end with the assistant's turn, as a job's chat does")
+    return_token_strs: bool = Field(False, description="also each token's string (the tokenizer's own pieces)")
 
     @model_validator(mode="after")
     def _one(self):
@@ -51,15 +57,31 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int | None
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(Strict):
-    model: str = Field(min_length=1)
+    model: str | None = MODEL
     tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+def model_named(redis, model: str | None) -> str:
+    """`model`, or when it is None the one model the fleet serves (a 400 naming `model` when
+    it serves several, a 404 when none)."""
+    if model is not None:
+        models.require(redis, model)
+        return model
+    names = sorted(models.served(redis))
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise OpenAIError(404, "no worker serves a model now", param="model", code="model_not_found")
+    raise OpenAIError(400, f"model: required when the fleet serves several models ({', '.join(names)})",
+                      param="model", code="missing_required_parameter")
 
 
 def tokenizer(redis, model: str):
@@ -93,7 +115,8 @@ def _load(redis, model: str):
 
 
 def _tokenize(redis, req: TokenizeRequest) -> dict:
-    tok, lock = tokenizer(redis, req.model)
+    model = model_named(redis, req.model)
+    tok, lock = tokenizer(redis, model)
     with lock:
         if req.prompt is not None:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"]
@@ -108,11 +131,13 @@ def _tokenize(redis, req: TokenizeRequest) -> dict:
             except Exception as e:
                 raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
             ids = tok(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
-    return {"count": len(ids), "max_model_len": models.served(redis)[req.model]["max_model_len"], "tokens": ids}
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": models.served(redis)[model]["max_model_len"], "tokens": ids,
+            "token_strs": strs}
 
 
 def _detokenize(redis, req: DetokenizeRequest) -> dict:
-    tok, lock = tokenizer(redis, req.model)
+    tok, lock = tokenizer(redis, model_named(redis, req.model))
     size = len(tok)
     for i, t in enumerate(req.tokens):
         if t >= size:
@@ -120,6 +145,19 @@ def _detokenize(redis, req: DetokenizeRequest) -> dict:
                               code="invalid_value")
     with lock:
         return {"prompt": tok.decode(req.tokens)}
+
+
+def _info(redis, model: str | None) -> dict:
+    """What a client needs to tokenize as the engine does (lm-eval's remote tokenizer reads
+    it): the tokenizer's class, special tokens and chat template."""
+    model = model_named(redis, model)
+    tok, lock = tokenizer(redis, model)
+    with lock:
+        return {"tokenizer_class": type(tok).__name__, "model": model,
+                **{f"{name}_token": getattr(tok, f"{name}_token") for name in ("bos", "eos", "pad", "unk")},
+                "chat_template": getattr(tok, "chat_template", None), "vocab_size": len(tok),
+                "model_max_length": models.served(redis)[model]["max_model_len"],
+                "add_bos_token": getattr(tok, "add_bos_token", None)}
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
@@ -132,3 +170,9 @@ async def tokenize(req: TokenizeRequest, request: Request):
 async def detokenize(req: DetokenizeRequest, request: Request):
     """The text of token ids."""
     return await anyio.to_thread.run_sync(_detokenize, request.app.state.redis, req)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request, model: str | None = None):
+    """The tokenizer's class, special tokens (bos, eos, pad, unk), chat template and sizes."""
+    return await anyio.to_thread.run_sync(_info, request.app.state.redis, model)

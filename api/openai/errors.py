@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from jobs.spec import CONTENT_TAGS
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/files", "/v1/batches",
-         "/tokenize", "/detokenize")  # the last two: vLLM's routes, with its (OpenAI's) errors
+         "/tokenize", "/detokenize", "/tokenizer_info")  # the last three: vLLM's routes, with its (OpenAI's) errors
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error"}
 

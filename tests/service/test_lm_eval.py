@@ -1,6 +1,7 @@
 """lm-eval, unchanged, against the live service: a small local multiple-choice task through
-its `local-completions` backend (echo + logprobs, token-id prompts) gives the accuracy and
-the per-choice loglikelihoods its own `hf` backend gives on the same weights."""
+its `local-completions` backend (echo + logprobs, token-id prompts), with the tokenizer's
+files or with the service's tokenizer routes, gives the accuracy and the per-choice
+loglikelihoods its own `hf` backend gives on the same weights."""
 import json
 import os
 import textwrap
@@ -53,14 +54,17 @@ def evaluate(model: str, model_args: str, task_dir) -> dict:
 
 
 def test_lm_eval_loglikelihood_task_equals_its_hf_backend(api_url, worker, model_dir, task_dir):
-    ours = evaluate("local-completions", f"base_url={api_url}/v1/completions,model=llama,"
-                    f"tokenizer_backend=huggingface,tokenizer={model_dir},num_concurrent=2,max_retries=1,"
-                    "add_bos_token=True",
-                    task_dir)
-    ref = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu,add_bos_token=True", task_dir)
-    got, want = ours["results"]["fanout_mc"], ref["results"]["fanout_mc"]
-    assert got["acc,none"] == want["acc,none"]
-    ll = [[r[0] for r in s["filtered_resps"]] for s in ours["samples"]["fanout_mc"]]
-    ll_ref = [[r[0] for r in s["filtered_resps"]] for s in ref["samples"]["fanout_mc"]]
-    assert len(ll) == len(QUESTIONS) and [len(x) for x in ll] == [len(c) for _, c, _ in QUESTIONS]
-    assert max(abs(a - b) for x, y in zip(ll, ll_ref) for a, b in zip(x, y)) < 1e-3
+    """With the tokenizer's files (tokenizer_backend=huggingface) and with none, through the
+    service's /tokenizer_info, /tokenize and /detokenize (tokenizer_backend=remote; lm-eval
+    0.4.13's remote tokenizer never adds a BOS, whatever add_bos_token says, so its
+    reference is the hf backend without one)."""
+    for backend, bos in ((f"huggingface,tokenizer={model_dir}", True), ("remote", False)):
+        ref = evaluate("hf", f"pretrained={model_dir},dtype=float32,device=cpu,add_bos_token={bos}", task_dir)
+        ll_ref = [[r[0] for r in s["filtered_resps"]] for s in ref["samples"]["fanout_mc"]]
+        ours = evaluate("local-completions", f"base_url={api_url}/v1/completions,model=llama,"
+                        f"tokenizer_backend={backend},num_concurrent=2,max_retries=1,add_bos_token={bos}",
+                        task_dir)
+        assert ours["results"]["fanout_mc"]["acc,none"] == ref["results"]["fanout_mc"]["acc,none"], backend
+        ll = [[r[0] for r in s["filtered_resps"]] for s in ours["samples"]["fanout_mc"]]
+        assert len(ll) == len(QUESTIONS) and [len(x) for x in ll] == [len(c) for _, c, _ in QUESTIONS]
+        assert max(abs(a - b) for x, y in zip(ll, ll_ref) for a, b in zip(x, y)) < 1e-3, backend

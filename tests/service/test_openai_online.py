@@ -172,7 +172,17 @@ def test_tokenize_and_detokenize_give_the_engines_ids(api_url, worker, engine):
     r = httpx.post(api_url + "/tokenize", json={"model": "llama", "prompt": "hello world"}, timeout=60)
     assert r.status_code == 200, r.text
     ids = engine.tokenizer("hello world", add_special_tokens=True)["input_ids"]
-    assert r.json() == {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+    assert r.json() == {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
+    # vLLM's options: the model may be left out (the fleet serves one), the pieces asked for.
+    r = httpx.post(api_url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert r.json()["tokens"] == ids and r.json()["token_strs"] == engine.tokenizer.convert_ids_to_tokens(ids)
+    assert httpx.post(api_url + "/detokenize", json={"tokens": ids}).json()["prompt"] == engine.tokenizer.decode(ids)
+    info = httpx.get(api_url + "/tokenizer_info").json()
+    tok = engine.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template and info["model"] == "llama"
+    assert info["model_max_length"] == engine.max_context and info["vocab_size"] == len(tok)
+    assert httpx.get(api_url + "/tokenizer_info", params={"model": "gpt-4o"}).status_code == 404
     chat = [{"role": "user", "content": "hi there"}]
     r = httpx.post(api_url + "/tokenize", json={"model": "llama", "messages": chat})
     assert r.json()["tokens"] == chat_ids(engine, chat)
