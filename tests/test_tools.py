@@ -3,6 +3,7 @@ and a named function always give calls valid for their schemas (checked with jso
 `auto` reads the model's own format (the tiny model's template is Hermes-style, and a regex
 makes its random weights write a call, so the parse is checked on real engine output)."""
 import json
+import shutil
 
 import jsonschema
 import pytest
@@ -67,13 +68,86 @@ def test_auto_parses_the_models_format_and_text_stays_content(engine):
     assert plain.tool_calls is None and plain.content is None  # no tools: no such fields
 
 
-def test_a_template_without_a_tool_format_fails_auto_alone(engine, monkeypatch):
+def test_a_tokenizer_without_a_template_fails_auto_alone(engine, monkeypatch):
     monkeypatch.setattr(engine.front, "tool_format", None)
     out = engine.generate(messages=[CHAT] * 2, sampling_params=[
         SamplingParams(max_new_tokens=4, tools=TOOLS), SamplingParams(max_new_tokens=4, tools=TOOLS,
                                                                       tool_choice="required")])
-    assert out[0].samples[0].finish_reason == "error" and "tool format" in out[0].samples[0].error
+    assert out[0].samples[0].finish_reason == "error" and "chat template" in out[0].samples[0].error
     assert out[1].samples[0].finish_reason in ("stop", "length")  # the grammar needs no format
+
+
+# SmolLM2's template, in the tiny model's tokens: no tool format, and m['content'] read as is
+# (a message without content made it fail: "'dict object' has no attribute 'content'").
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def plain_engine(llama_path, tmp_path_factory):
+    """The tiny model with PLAIN_TEMPLATE: tools in the generic format."""
+    path = tmp_path_factory.mktemp("plain") / "llama"
+    shutil.copytree(llama_path, path)
+    (path / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    return Engine(str(path))
+
+
+def test_generic_format_renders_tools_and_earlier_turns_for_a_template_without_one(plain_engine):
+    assert plain_engine.front.tool_format == "generic"
+    chat = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}},
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "tool", "tool_call_id": "c2", "content": "9:00"}]
+    ids, _ = plain_engine.front.chats.encode(chat, None, SamplingParams(tools=TOOLS))
+    text = plain_engine.tokenizer.decode(ids)
+    assert text.startswith("<|bos|><|system|>\nYou can call these tools: [") and '"description": "the forecast"' in text
+    assert '"response": "..."} to answer the user' in text
+    assert ('<|assistant|>\n{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+            '{"name": "now", "arguments": {}}]}<|eos|>') in text
+    assert text.endswith("<|user|>\nThe result of get_weather: sunny\nThe result of now: 9:00<|eos|>\n<|assistant|>\n")
+    # A system message of the caller's own gets the tools after its text; none: no tools.
+    ids, _ = plain_engine.front.chats.encode([{"role": "system", "content": "Be brief."}] + CHAT, None,
+                                             SamplingParams(tools=TOOLS, tool_choice="none"))
+    assert plain_engine.tokenizer.decode(ids).startswith("<|bos|><|system|>\nBe brief.<|eos|>")
+    ids, _ = plain_engine.front.chats.encode([{"role": "system", "content": "Be brief."}] + CHAT, None,
+                                             SamplingParams(tools=TOOLS, tool_choice="required"))
+    assert plain_engine.tokenizer.decode(ids).startswith("<|bos|><|system|>\nBe brief.\n\nYou can call these tools:")
+
+
+def test_generic_auto_answers_in_text_or_calls_valid_for_their_schemas(plain_engine):
+    """Under auto the output is decoded under the generic schema: every sample that ends is
+    a response (content, no calls) or calls that validate; both come up among 24 samples of
+    random weights at temperature 5 (at 1 they all answer), and with parallel calls off there
+    is one call at most."""
+    kinds = set()
+    for parallel in (True, False):
+        sp = SamplingParams(max_new_tokens=300, temperature=5.0, n=24, tools=TOOLS, parallel_tool_calls=parallel)
+        for s in plain_engine.generate(messages=[CHAT], sampling_params=sp, seed=7)[0].samples:
+            if s.finish_reason == "length":
+                assert s.tool_calls == [] and s.content == s.text
+                continue
+            assert s.finish_reason == "stop", s
+            if s.tool_calls:
+                assert s.content is None and (parallel or len(s.tool_calls) == 1)
+                assert_valid(s.tool_calls)
+                kinds.add("calls")
+            else:
+                assert s.content == json.loads(s.text)["response"]
+                kinds.add("response")
+    assert kinds == {"calls", "response"}, kinds
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ('{"response": "It is sunny."}', [], "It is sunny."),
+    ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}',
+     [("get_weather", {"city": "Oslo", "days": 2})], None),
+    ('{"tool_calls": [{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]}', [("now", {}), ("now", {})], None),
+    ('{"tool_call": {"name": "now", "argu', [], '{"tool_call": {"name": "now", "argu'),  # cut by max_tokens
+    ('{"tool_call": {"name": "rm_rf", "arguments": {}}}', [], '{"tool_call": {"name": "rm_rf", "arguments": {}}}')])
+def test_generic_parse(text, calls, content):
+    got_content, got = tools.parse(text, "generic", [Tool.model_validate(t) for t in TOOLS], "auto")
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls and got_content == content
 
 
 def test_the_template_renders_tools_earlier_calls_and_tool_messages(engine):
@@ -81,7 +155,7 @@ def test_the_template_renders_tools_earlier_calls_and_tool_messages(engine):
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    ids, _ = engine.front.chats.encode(chat, None, [Tool.model_validate(t) for t in TOOLS])
+    ids, _ = engine.front.chats.encode(chat, None, SamplingParams(tools=TOOLS))
     text = engine.tokenizer.decode(ids)
     assert '"name": "get_weather"' in text and "the forecast" in text  # the tools, as the template writes them
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>' in text
@@ -117,7 +191,7 @@ def test_llama3_json_parse(text, calls):
 def test_formats_are_told_from_templates_and_bad_choices_are_refused():
     assert tools.format_of("{% for t in tools %}<tool_call>{{ t }}</tool_call>{% endfor %}") == "hermes"
     assert tools.format_of("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
-    assert tools.format_of("{{ messages }}") is None and tools.format_of(None) is None
+    assert tools.format_of("{{ messages }}") == "generic" and tools.format_of(None) is None
     for bad, msg in [({"tool_choice": "required"}, "needs tools"),
                      ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "no tool is named"),
                      ({"tools": TOOLS + TOOLS[:1]}, "same name"),

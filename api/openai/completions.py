@@ -7,6 +7,7 @@ its job."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -114,8 +115,16 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+# An item's chat error, as the engine names it within a job: "messages[ITEM]: [message I: ]...".
+_CHAT_ERROR = re.compile(r"messages\[0\]: (?:message (\d+): )?(.*)", re.S)
+
+
 def _failure(entry: dict) -> OpenAIError:
     if entry.get("type") == events.ERROR:
+        # The request is the job's one item: name the message (when the engine knows it).
+        if m := _CHAT_ERROR.fullmatch(entry["error"]):
+            param = f"messages[{m.group(1)}]" if m.group(1) is not None else "messages"
+            return OpenAIError(400, f"{param}: {m.group(2)}", param=param, code="invalid_prompt")
         return OpenAIError(400, entry["error"], code="invalid_prompt")
     if entry.get("type") == streams.CLOSED:
         return OpenAIError(401, f"{entry['reason']}: the request was canceled", code="revoked_api_key")

@@ -52,13 +52,12 @@ def image_schemes(redis, name: str) -> list[str] | None:
 
 
 def require_tool_format(redis, name: str) -> None:
-    """OpenAIError 400 unless `name`'s chat template has a tool format (worker/engine/tools.py),
-    which tool_choice auto parses."""
+    """OpenAIError 400 unless `name` has a chat template, whose tool format (its own, or the
+    generic one: worker/engine/tools.py) tool_choice auto parses."""
     entry = _announced(redis, name)
     if entry is not None and not entry.get("tools"):
-        raise OpenAIError(400, f"tool_choice: auto needs a chat template with a tool format, and the model "
-                               f"'{name}' has none; ask tool_choice required or a named function (decoded "
-                               "under the functions' schemas)", param="tool_choice", code="unsupported_parameter")
+        raise OpenAIError(400, f"tool_choice: auto needs a chat template, and the model '{name}' has none",
+                          param="tool_choice", code="unsupported_parameter")
 
 
 def require_images(redis, name: str, messages: list[ChatMessage]) -> None:

@@ -95,8 +95,9 @@ def test_bad_tool_requests_and_a_template_without_tools(oai, redis):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="llama", messages=ASK + [{"role": "tool", "content": "x"}], max_tokens=2)
     assert "tool_call_id" in e.value.message
-    # A model whose workers announce no tool format (as SmolLM2's template has none): auto is
-    # a 400 naming it; required still runs (it needs no format).
+    # A model whose workers announce no tool format (a tokenizer without a chat template):
+    # auto is a 400 naming it. (SmolLM2's template, with no tool format of its own, gets the
+    # generic one: tests/service/test_agents.py.)
     redis.hset(keys.models(), "notools", json.dumps({"created": 0, "expires": time.time() + 60, "tools": None}))
     try:
         with pytest.raises(openai.BadRequestError) as e:

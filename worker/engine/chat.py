@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from . import tools
 from .bound import TextBound
 from .image_urls import ImageError, ImageSources
 from .images import (ClipProcessor, DecodeBudget, Image, ImageSpan, Qwen2VLProcessor, decode_cost, load_image,
                      open_image)
+from .sampling_params import SamplingParams
 
 
 class PastContext(ImageError):
@@ -38,6 +40,7 @@ class ChatEncoder:
         self.sources = sources  # which image URLs are read, and their limits
         self.bound = bound  # a rendered chat longer than the context can hold is not tokenized
         self.budget = budget or DecodeBudget(2 << 30)  # shared by every thread that decodes
+        self.tool_format = tools.format_of(getattr(tokenizer, "chat_template", None))
 
     @property
     def schemes(self) -> list[str]:
@@ -102,14 +105,19 @@ class ChatEncoder:
         return out
 
     def encode(self, chat: list[dict], images: dict[str, Image | ImageError] | None = None,
-               tools: list | None = None) -> tuple[list[int], list[ImageSpan]]:
+               params: SamplingParams | None = None) -> tuple[list[int], list[ImageSpan]]:
         """Token ids (images expanded) and the image spans; ValueError for a bad chat or
         image (its item fails alone). `images`: the chat's images from load(), if read
-        already. `tools` (tools.Tool): rendered by the template, as HF's `tools=` takes them."""
+        already. `params`' tools (tools.Tool) are rendered by the template, as HF's `tools=`
+        takes them, or by tools.generic_chat where the template has no tool format."""
         messages, urls = _parse(chat)
         if urls and self.vision is None:
             raise ValueError("this model does not take images")
-        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+        p, extra = params or SamplingParams(), {}
+        if self.tool_format == "generic":
+            messages = tools.generic_chat(messages, p.tools, p.effective_tool_choice, p.parallel_tool_calls)
+        elif p.tools:
+            extra = {"tools": [t.model_dump(exclude_none=True) for t in p.tools]}
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=True, **extra)
@@ -173,6 +181,9 @@ def _parse(chat: list[dict]) -> tuple[list[dict], list[str]]:
                 m = {**m, "content": parts}
         if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
             m = {**m, "tool_calls": [_template_call(i, c) for c in m["tool_calls"]]}
+        if isinstance(m, dict) and m.get("content") is None:
+            # An assistant's tool calls alone (content null or absent): templates read a string.
+            m = {**m, "content": ""}
         messages.append(m)
     return messages, urls
 

@@ -11,6 +11,7 @@ import copy
 
 from .chat import ChatEncoder
 from .images import ImageSpan
+from .sampling_params import SamplingParams
 
 
 class Encoder:
@@ -47,8 +48,8 @@ class Encoder:
             return out
 
     def encode(self, items: list[tuple]) -> list[tuple[list[int], list[ImageSpan], str | None]]:
-        """(ids, image spans, error) per item (index, prompt or None, input_ids or None, the
-        chat's tools or None)."""
+        """(ids, image spans, error) per item (index, prompt or None, input_ids or None, its
+        SamplingParams or None: a chat's tools)."""
         out: list = [None] * len(items)
         plain = []
         bound = self.chats.bound
@@ -60,20 +61,20 @@ class Encoder:
         for i, (ids, error) in zip(plain, self._tokenize_each([items[i][1] if items[i][1] is not None
                                                                else items[i][2] for i in plain])):
             out[i] = (ids, [], error)
-        for i, (index, chat, _, tools) in enumerate(items):
+        for i, (index, chat, _, params) in enumerate(items):
             if isinstance(chat, list):
-                out[i] = self.encode_chat(index, chat, tools=tools)
-            elif tools:
+                out[i] = self.encode_chat(index, chat, params=params)
+            elif params is not None and params.tools:
                 out[i] = ([], [], "tools: only for chat items (messages)")
         return out
 
     def encode_chat(self, index: int, chat: list, images: dict | Exception | None = None,
-                    tools: list | None = None) -> tuple:
+                    params: SamplingParams | None = None) -> tuple:
         if isinstance(images, Exception):  # loading them failed as a whole (intake.py)
             why = f"{type(images).__name__}: {images}"
             return [], [], f"messages[{index}]: its images could not be loaded ({why})"
         try:
-            return (*self.chats.encode(chat, images, tools), None)
+            return (*self.chats.encode(chat, images, params), None)
         except ValueError as e:
             return [], [], f"messages[{index}]: {e}"
         except Exception as e:  # e.g. the tokenizer refusing a text: this chat fails alone

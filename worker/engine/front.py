@@ -79,7 +79,7 @@ class Front:
         self.kv_tokens = kv_tokens
         self.eos_ids = frozenset(eos_ids)
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
-        self.tool_format = tools.format_of(getattr(tokenizer, "chat_template", None))
+        self.tool_format = chats.tool_format  # (tools.format_of)
         self.streams: dict[str, _Stream] = {}
         self.warmups: dict[str, _Warmup] = {}
         self.outbox: list[Event] = []  # events without a sink, until take_events()
@@ -131,7 +131,7 @@ class Front:
             self._fan_out(items[0].call, [(it.index, *enc, it.params) for it, enc in zip(items, encoded)])
         for items, images in self.intake.ready(block and not waiting_text):
             for it in items:
-                enc = self.encoder.encode_chat(it.index, it.chat, images, it.params.tools)
+                enc = self.encoder.encode_chat(it.index, it.chat, images, it.params)
                 self.intake.hold(self._fan_out(it.call, [(it.index, *enc, it.params)]))
 
     def _fan_out(self, call: Call, entries: list[tuple]) -> list[Req]:
@@ -142,7 +142,7 @@ class Front:
         sink, group = call.sink, call.group
         for index, ids, spans, error, p in entries:
             error = error or self._check(ids, p, spans)
-            grammar, matchers = p.grammar, [None] * p.n
+            grammar, matchers = p.grammar_on(self.tool_format), [None] * p.n
             if error is None and grammar is not None:
                 try:  # compiled once per distinct grammar; a matcher per sample
                     matchers = [self.grammars.matcher(grammar) for _ in range(p.n)]
@@ -189,8 +189,10 @@ class Front:
         if bad is not None:
             return f"token id {bad} is outside the vocabulary (size {self.vocab_size})"
         if p.tools and p.effective_tool_choice == "auto" and self.tool_format is None:
-            return ("tool_choice: auto needs a chat template with a tool format (this model's has none); "
-                    "ask required or a named function, which are decoded under their schemas")
+            return "tool_choice: auto needs a chat template (this model has none)"
+        if p.tools and p.effective_tool_choice == "auto" and self.tool_format == "generic" and p.grammar:
+            return (f"{p.grammar[0]}: cannot be combined with tools under tool_choice auto on this model (its "
+                    "template has no tool format: the answer is decoded under the generic format's schema)")
         if images and p.prompt_logprobs is not None:
             return "prompt_logprobs: not for a prompt with images (its image positions are not tokens)"
         if len(ids) >= self.max_context:

@@ -89,7 +89,7 @@ class TextIntake(_Slices):
         slice whole and the encoded results stay aligned with the items left."""
         for i in range(0, len(items), TEXT_SLICE):
             part = items[i:i + TEXT_SLICE]
-            self.loading.append((self.pool.submit(self.encode, [(p.index, p.chat, None, p.params.tools) for p in part]), part))
+            self.loading.append((self.pool.submit(self.encode, [(p.index, p.chat, None, p.params) for p in part]), part))
 
     def owners(self) -> set:
         """The owners of the items being tokenized."""

@@ -158,6 +158,14 @@ class SamplingParams(BaseModel):
             return None
         return tools.schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
 
+    def grammar_on(self, tool_format: str | None) -> tuple[str, str] | None:
+        """The grammar on a model whose template has `tool_format` (tools.format_of): under
+        tool_choice auto the generic format's schema where the template has no format of
+        its own, else `grammar`."""
+        if self.tools and tool_format == "generic" and self.effective_tool_choice == "auto":
+            return "json_schema", _canonical(tools.generic_schema(self.tools, self.parallel_tool_calls))
+        return self.grammar
+
     @property
     def grammar(self) -> tuple[str, str] | None:
         """The output constraint as (kind, canonical text), the key of the engine's compile

@@ -12,7 +12,14 @@ valid, and the parsers that read the calls out of a model's own tool format for 
   (`FORMATS`, told from the template's text): `hermes`, `<tool_call>{"name", "arguments"}
   </tool_call>` (Qwen2.5, Qwen3, Hermes 2/3, QwQ); `llama3_json`, a JSON object `{"name",
   "parameters"}` as the whole answer, maybe after `<|python_tag|>`, several joined by `;`
-  (Llama 3.1, 3.2, 3.3). A template with neither has no tool format: `auto` is refused.
+  (Llama 3.1, 3.2, 3.3).
+- `generic`: any other template (llama.cpp's generic tool handler is the model). The chat is
+  rewritten before the template sees it (`generic_chat`): a system turn describes the tools
+  and the answer's shape; the assistant's earlier calls become that shape's JSON, the tool
+  results a user turn ("The result of NAME: ..."; as JSON, SmolLM2-135M called the tool
+  again instead of answering). Under `auto` the output is decoded under
+  `generic_schema`: `{"tool_call": {"name", "arguments"}}` (`"tool_calls": [...]` with
+  parallel calls) or `{"response": "the answer"}`, so it always parses.
 
 No torch here: the API imports it to validate requests.
 """
@@ -25,7 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOOLS = 128  # as OpenAI
-FORMATS = ("hermes", "llama3_json")
+FORMATS = ("hermes", "llama3_json", "generic")
 
 
 class _Strict(BaseModel):
@@ -70,23 +77,87 @@ def schema(tools: list[Tool], choice, parallel: bool) -> dict | None:
         return parameters(next(t.function for t in tools if t.function.name == choice.function.name))
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": parameters(t.function)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    out = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    out = {"type": "array", "minItems": 1, "items": _one_of([_call_schema(t.function) for t in tools])}
     if not parallel:
         out["maxItems"] = 1
     return out
 
 
 def format_of(template: str | None) -> str | None:
-    """The tool format a chat template's text shows (`FORMATS`), or None."""
+    """The tool format of a chat template (`FORMATS`): the one its text shows, else
+    generic; None without a template (no chats at all)."""
     if not template:
         return None
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:
         return "llama3_json"
-    return None
+    return "generic"
+
+
+def _call_schema(f: Function) -> dict:
+    return {"type": "object", "properties": {"name": {"const": f.name}, "arguments": parameters(f)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _one_of(schemas: list[dict]) -> dict:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def generic_schema(tools: list[Tool], parallel: bool) -> dict:
+    """The generic format's answer under auto: a call (calls, with parallel calls) of the
+    given functions, or a plain response."""
+    call = _one_of([_call_schema(t.function) for t in tools])
+    key, value = ("tool_calls", {"type": "array", "minItems": 1, "items": call}) if parallel else ("tool_call", call)
+    return {"anyOf": [{"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False},
+                      {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                       "additionalProperties": False}]}
+
+
+def _generic_instructions(tools: list[Tool], choice, parallel: bool) -> str:
+    listed = json.dumps([{"name": t.function.name, "description": t.function.description,
+                          "parameters": parameters(t.function)} for t in tools], ensure_ascii=False)
+    if isinstance(choice, NamedChoice):
+        shape = f"Answer with the JSON arguments object of a call to {choice.function.name}."
+    elif choice == "required":
+        shape = 'Answer with a JSON array of the calls to make: [{"name": "...", "arguments": {...}}].'
+    elif parallel:
+        shape = ('Answer in JSON: {"tool_calls": [{"name": "...", "arguments": {...}}]} to call tools, or '
+                 '{"response": "..."} to answer the user. Once a tool\'s result answers the question, respond.')
+    else:
+        shape = ('Answer in JSON: {"tool_call": {"name": "...", "arguments": {...}}} to call a tool, or '
+                 '{"response": "..."} to answer the user. Once a tool\'s result answers the question, respond.')
+    return f"You can call these tools: {listed}\n{shape}"
+
+
+def generic_chat(messages: list[dict], tools: list[Tool] | None, choice, parallel: bool) -> list[dict]:
+    """The chat as a template without a tool format takes it (module docstring): the tools
+    in a system turn (none under tool_choice none), earlier calls as the answer's JSON, the
+    results of a turn's calls as one user turn."""
+    names: dict[str, str] = {}  # tool call id -> its function's name
+    out = []
+    for m in messages:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            names.update({c.get("id"): c["function"]["name"] for c in m["tool_calls"]})
+            answer = {"tool_calls": calls} if parallel or len(calls) > 1 else {"tool_call": calls[0]}
+            m = {"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)}
+        elif role == "tool":
+            line = f"The result of {names.get(m.get('tool_call_id')) or 'the tool'}: {m.get('content') or ''}"
+            if out and out[-1].get("_results"):  # the results of one turn's calls: one user turn
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{line}"}
+                continue
+            m = {"role": "user", "content": line, "_results": True}
+        out.append(m)
+    out = [{k: v for k, v in m.items() if k != "_results"} for m in out]
+    if tools and choice != "none":
+        text = _generic_instructions(tools, choice, parallel)
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def _call(obj: Any, names: set[str], key: str) -> dict | None:
@@ -125,6 +196,16 @@ def parse(text: str, fmt: str | None, tools: list[Tool], choice) -> tuple[str | 
         return None, [c for c in got if c is not None]
     if choice == "none" or fmt is None:
         return text, []
+    if fmt == "generic":
+        try:
+            answer = _loads.decode(text)
+        except ValueError:  # cut by max_tokens before the JSON closed
+            return text, []
+        if isinstance(answer.get("response"), str):
+            return answer["response"], []
+        got = answer.get("tool_calls") or [answer.get("tool_call")]
+        calls = [_call(c, names, "arguments") for c in got]
+        return (text, []) if None in calls else (None, calls)
     if fmt == "hermes":
         found = list(_HERMES.finditer(text))
         calls = []
