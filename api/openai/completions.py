@@ -92,7 +92,7 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
     head = (prefix + job_id, int(time.time()), req.model)
     chat = prefix == "chatcmpl-"
     if not req.stream:
-        found = await _collect(_follow(st, follower, job_id, request), size, params.n)
+        found = await _collect(_follow(st, follower, job_id, request), size, params.n, chat)
         if chat:
             return JSONResponse(bodies.chat_completion(*head, found))
         texts = await anyio.to_thread.run_sync(_prompt_texts, st.redis, req.model, items) if echo else None
@@ -106,7 +106,7 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
     last = first[-1] if first else {}
     if last.get("type") in (events.ERROR, streams.CLOSED) or (events.is_terminal(last) and last["status"] != "succeeded"):
         await entries.aclose()  # cancels the rest of the job
-        raise _failure(last)
+        raise _failure(last, chat)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     # With tools, a choice's text is a call or not only once it is whole: it comes at its end.
     whole = chat and bool(params.tools) and params.effective_tool_choice != "none"
@@ -119,13 +119,13 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
 _CHAT_ERROR = re.compile(r"messages\[0\]: (?:message (\d+): )?(.*)", re.S)
 
 
-def _failure(entry: dict) -> OpenAIError:
+def _failure(entry: dict, chat: bool) -> OpenAIError:
     if entry.get("type") == events.ERROR:
-        # The request is the job's one item: name the message (when the engine knows it).
-        if m := _CHAT_ERROR.fullmatch(entry["error"]):
+        # A chat is the job's one item: name its message where the engine knows it.
+        if chat and (m := _CHAT_ERROR.fullmatch(entry["error"])):
             param = f"messages[{m.group(1)}]" if m.group(1) is not None else "messages"
             return OpenAIError(400, f"{param}: {m.group(2)}", param=param, code="invalid_prompt")
-        return OpenAIError(400, entry["error"], code="invalid_prompt")
+        return OpenAIError(400, entry["error"], param="messages" if chat else "prompt", code="invalid_prompt")
     if entry.get("type") == streams.CLOSED:
         return OpenAIError(401, f"{entry['reason']}: the request was canceled", code="revoked_api_key")
     return OpenAIError(500, f"the request's job {entry.get('status', 'ended')}: {entry.get('error') or 'no output'}",
@@ -169,7 +169,7 @@ def _record(entry: dict) -> dict:
             **{k: entry.get(k) for k in events.OPTIONAL}}
 
 
-async def _collect(entries, size: int, n: int) -> list[list[dict]]:
+async def _collect(entries, size: int, n: int, chat: bool) -> list[list[dict]]:
     """Every sample's record, by item; OpenAIError when one failed or the job did not succeed."""
     found, end = {}, {}
     try:
@@ -177,13 +177,13 @@ async def _collect(entries, size: int, n: int) -> list[list[dict]]:
             if e["type"] == events.FINAL:
                 found[(e["index"], e["sample"])] = _record(e)
             elif e["type"] in (events.ERROR, streams.CLOSED):
-                raise _failure(e)
+                raise _failure(e, chat)
             elif events.is_terminal(e):
                 end = e
     finally:
         await entries.aclose()  # after an error: cancels the rest of the job
     if end.get("status") != "succeeded":
-        raise _failure(end)
+        raise _failure(end, chat)
     return [[found[(i, j)] for j in range(n)] for i in range(size)]
 
 
@@ -225,10 +225,10 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
         rebuilt.apply(e)
         kind = e["type"]
         if kind == streams.CLOSED:
-            yield _sse(_failure(e).body())  # no [DONE]: the answer is cut
+            yield _sse(_failure(e, chat).body())  # no [DONE]: the answer is cut
             return
         if kind == events.ERROR or (events.is_terminal(e) and e["status"] != "succeeded"):
-            yield _sse(_failure(e).body())  # the other samples go on, unless the job ended
+            yield _sse(_failure(e, chat).body())  # the other samples go on, unless the job ended
             if kind == events.ERROR:
                 continue
             return

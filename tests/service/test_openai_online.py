@@ -130,7 +130,11 @@ def test_a_prompt_that_cannot_run_is_a_400_streamed_or_not(oai):
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             oai.completions.create(model="llama", prompt=too_long, max_tokens=2, stream=stream)
-        assert "context" in e.value.message
+        assert "context" in e.value.message and e.value.param == "prompt"
+    # A chat's: param messages (before: null).
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "word " * 5000}], max_tokens=2)
+    assert e.value.param == "messages" and "context" in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])
