@@ -15,11 +15,10 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from results import events, keys
+from results import events
 from results.reader import Rebuilder
 
-from .. import jobs, streams, submit, tokenize
-from ..schemas import JobRequest
+from .. import online, streams, tokenize
 from . import bodies, models
 from .errors import OpenAIErrorResponse, OpenAIError
 from .schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, sampling_params
@@ -69,7 +68,7 @@ def _prompt_texts(redis, model: str, items: dict) -> list[str]:
 
 
 async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = False):
-    st, tenant = request.app.state, request.state.tenant
+    st = request.app.state
     size = len(next(iter(items.values())))
     if size > st.settings.max_batch:
         raise OpenAIError(400, f"{size} prompts, over this server's limit of {st.settings.max_batch} "
@@ -78,39 +77,24 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
     params = sampling_params(req, st.settings)
     if params.tools and params.effective_tool_choice == "auto":
         await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
-    may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
-    job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal",
-                     metadata={**(req.metadata or {}), **({"user": req.user} if req.user else {})})
-    # The stream is followed before the job exists: past FANOUT_MAX_STREAMS no job is made.
-    job_id = jobs.new_id()
-    follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))
-    try:
-        await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, job_id=job_id, tenant=tenant))
-    except BaseException:
-        follower.close()
-        raise
-    head = (prefix + job_id, int(time.time()), req.model)
+    metadata = {**(req.metadata or {}), **({"user": req.user} if req.user else {})}
+    job = await online.start(request, items, params, metadata, disconnect=not req.stream)
+    head = (prefix + job.job_id, int(time.time()), req.model)
     chat = prefix == "chatcmpl-"
-    if not req.stream:
-        found = await _collect(_follow(st, follower, job_id, request), size, params.n, chat)
-        if chat:
-            return JSONResponse(bodies.chat_completion(*head, found))
-        texts = await anyio.to_thread.run_sync(_prompt_texts, st.redis, req.model, items) if echo else None
-        return JSONResponse(bodies.text_completion(*head, found, texts))
-    entries = _follow(st, follower, job_id, None)  # StreamingResponse cancels it when the client goes
-    first = []
-    async for e in entries:  # up to the first output: a prompt that cannot run still gets its 400
-        first.append(e)
-        if e["type"] in (events.DELTA, events.FINAL, events.ERROR, streams.CLOSED) or events.is_terminal(e):
-            break
-    last = first[-1] if first else {}
-    if last.get("type") in (events.ERROR, streams.CLOSED) or (events.is_terminal(last) and last["status"] != "succeeded"):
-        await entries.aclose()  # cancels the rest of the job
-        raise _failure(last, chat)
+    try:
+        if not req.stream:
+            found = await online.collect(job.entries, size, params.n)
+            if chat:
+                return JSONResponse(bodies.chat_completion(*head, found))
+            texts = await anyio.to_thread.run_sync(_prompt_texts, st.redis, req.model, items) if echo else None
+            return JSONResponse(bodies.text_completion(*head, found, texts))
+        first = await online.first_output(job.entries)  # a prompt that cannot run still gets its 400
+    except online.Failed as e:
+        raise _failure(e.entry, chat) from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     # With tools, a choice's text is a call or not only once it is whole: it comes at its end.
     whole = chat and bool(params.tools) and params.effective_tool_choice != "none"
-    return StreamingResponse(_chunks(chat, head, first, entries, size, params.n, include_usage, whole),
+    return StreamingResponse(_chunks(chat, head, first, job.entries, size, params.n, include_usage, whole),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -130,61 +114,6 @@ def _failure(entry: dict, chat: bool) -> OpenAIError:
         return OpenAIError(401, f"{entry['reason']}: the request was canceled", code="revoked_api_key")
     return OpenAIError(500, f"the request's job {entry.get('status', 'ended')}: {entry.get('error') or 'no output'}",
                        type="server_error")
-
-
-async def _follow(st, follower: streams.Follower, job_id: str, request: Request | None) -> AsyncIterator[dict]:
-    """The job's stream entries until its terminal status (or a `closed` entry: the key was
-    revoked). Ended early (the client went away: `request` says so between reads, or the
-    caller closes this), the job is canceled."""
-    ended = False
-    try:
-        while True:
-            batch = await follower.next(1.0)
-            if request is not None and await request.is_disconnected():
-                return
-            if follower.closed:
-                yield streams.closing(follower)
-                return
-            if not batch:
-                if (await anyio.to_thread.run_sync(submit.ended, st, job_id)
-                        and not await follower.read(1)):
-                    ended = True
-                    return
-                continue
-            for _, fields in batch:
-                entry = events.decode(fields)
-                ended = events.is_terminal(entry)
-                yield entry
-                if ended:
-                    return
-    finally:
-        follower.close()
-        if not ended:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(jobs.cancel, st.redis, job_id, st.settings)
-
-
-def _record(entry: dict) -> dict:
-    return {"text": entry["text"], "finish_reason": entry["finish_reason"], "usage": entry["usage"],
-            **{k: entry.get(k) for k in events.OPTIONAL}}
-
-
-async def _collect(entries, size: int, n: int, chat: bool) -> list[list[dict]]:
-    """Every sample's record, by item; OpenAIError when one failed or the job did not succeed."""
-    found, end = {}, {}
-    try:
-        async for e in entries:
-            if e["type"] == events.FINAL:
-                found[(e["index"], e["sample"])] = _record(e)
-            elif e["type"] in (events.ERROR, streams.CLOSED):
-                raise _failure(e, chat)
-            elif events.is_terminal(e):
-                end = e
-    finally:
-        await entries.aclose()  # after an error: cancels the rest of the job
-    if end.get("status") != "succeeded":
-        raise _failure(end, chat)
-    return [[found[(i, j)] for j in range(n)] for i in range(size)]
 
 
 def _tool_chunks(head: tuple, c: int, record: dict) -> list[dict]:
@@ -236,7 +165,7 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
             continue
         key = (e["index"], e["sample"])
         if whole:
-            finals[key] = _record(e)
+            finals[key] = online.record(e)
             for chunk in _tool_chunks(head, key[0] * n + key[1], finals[key]):
                 yield _sse({**chunk, **extra})
             continue
@@ -245,7 +174,7 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
         lps = out.logprobs[tokens:] if out.logprobs is not None else None
         finish = e["finish_reason"] if kind == events.FINAL else None
         if kind == events.FINAL:
-            finals[key] = _record(e)
+            finals[key] = online.record(e)
         if not (text or lps or finish):
             continue  # a retried attempt has not caught up with what was sent
         sent[key] = (len(out.text), len(out.logprobs or []))
