@@ -29,6 +29,9 @@ from jobs.settings import Settings
 from results import blobs, keys
 
 from . import auth, metrics, openapi, streams, sweep, tenants, tokenize
+from .anthropic import router as anthropic_router
+from .anthropic.errors import RESPONSES as ANTHROPIC_ERRORS
+from .anthropic.errors import AnthropicError, is_anthropic
 from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
@@ -92,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router, dependencies=[Depends(auth.authenticate)], tags=["jobs"],
                        responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(openai_router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
+    app.include_router(anthropic_router, dependencies=[Depends(auth.authenticate)], responses=ANTHROPIC_ERRORS)
     app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS,
                        tags=["tokenizer"])
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
@@ -112,6 +116,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
+        if is_anthropic(request.url.path):
+            return AnthropicError(400, from_validation(exc.errors()).message).response()
         if is_openai(request.url.path):
             return from_validation(exc.errors()).response()
         # Drop pydantic's union tags from locations: body.sampling_params.top_p, not
@@ -125,6 +131,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def unavailable_now(request: Request, message: str, code: str | None = None) -> JSONResponse:
         """A 503 in the route's format (RetryAfter adds its header)."""
+        if is_anthropic(request.url.path):
+            return AnthropicError(503, message).response()
         if is_openai(request.url.path):
             return OpenAIError(503, message, type="server_error", code=code).response()
         return JSONResponse({"detail": message}, status_code=503)
@@ -151,6 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(tenants.OverLimit)
     async def over_limit(request: Request, exc: tenants.OverLimit):
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        if is_anthropic(request.url.path):
+            return AnthropicError(429, exc.detail).response(headers)
         if is_openai(request.url.path):
             return OpenAIError(429, exc.detail, code=exc.limit).response(headers)
         return JSONResponse({"detail": exc.detail, "limit": exc.limit}, status_code=429, headers=headers)
@@ -161,11 +171,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError):
+        if is_anthropic(request.url.path):  # a helper shared with the OpenAI routes raised it
+            return AnthropicError(exc.status, exc.message).response()
+        return exc.response()
+
+    @app.exception_handler(AnthropicError)
+    async def anthropic_error(request: Request, exc: AnthropicError):
         return exc.response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        # The OpenAI routes answer every error in OpenAI's format (auth's 401, 403, 404, 405).
+        # The OpenAI and Anthropic routes answer every error in their format (auth's 401, 403, 404, 405).
+        if is_anthropic(request.url.path):
+            return AnthropicError(exc.status_code, str(exc.detail)).response(exc.headers)
         if is_openai(request.url.path):
             return OpenAIError(exc.status_code, str(exc.detail)).response(exc.headers)
         return await http_exception_handler(request, exc)
@@ -173,6 +191,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         message = f"internal error (ref {_logged('unhandled error', exc)}): the API's log has the details"
+        if is_anthropic(request.url.path):
+            return AnthropicError(500, message).response()
         if is_openai(request.url.path):
             return OpenAIError(500, message, type="server_error").response()
         return JSONResponse({"detail": message}, status_code=500)

@@ -12,7 +12,8 @@ from . import tenants
 from .schemas import ErrorOut, LimitOut
 
 RESPONSES = {
-    401: {"model": ErrorOut, "description": "missing, unknown or revoked API key (`Authorization: Bearer fo_...`)"},
+    401: {"model": ErrorOut, "description": "missing, unknown or revoked API key (`Authorization: Bearer fo_...`, "
+                                            "or `x-api-key: fo_...`)"},
     429: {"model": LimitOut, "description": "over one of this API key's limits (`limit` names it)"},
 }
 
@@ -23,10 +24,12 @@ bearer = HTTPBearer(auto_error=False, description="an API key from `fanout keys 
 
 def authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
     redis = request.app.state.redis
-    tenant = tenants.lookup(redis, credentials.credentials) if credentials else None
+    # Anthropic's clients send the key as x-api-key.
+    key = credentials.credentials if credentials else request.headers.get("x-api-key")
+    tenant = tenants.lookup(redis, key) if key else None
     if tenant is None or tenant.revoked:
         if tenants.enabled(redis):
-            why = "revoked API key" if tenant else "invalid API key" if credentials else "missing API key"
+            why = "revoked API key" if tenant else "invalid API key" if key else "missing API key"
             raise HTTPException(401, f"{why}: send Authorization: Bearer <key>",
                                 headers={"WWW-Authenticate": "Bearer"})
         tenant = None

@@ -16,6 +16,7 @@ stays readable.
                   [tool_calls content]                a chat item with tools: the calls parsed
                                                       from `text` ([{"name", "arguments"}]) and
                                                       the text that is not a call
+                  [stop]                              the stop string that ended it
     type=error    index sample error                  the sample failed (e.g. prompt too long)
     type=status   status [done total failed error]    the job's status changed
 
@@ -76,7 +77,7 @@ def delta(index: int, sample: int, text: str, token_ids: list[int],
 
 # A stored record's fields that only some samples have (store.sample_record), in the final
 # entry as they are in the record.
-OPTIONAL = ("logprobs", "prompt_logprobs", "tool_calls", "content")
+OPTIONAL = ("logprobs", "prompt_logprobs", "tool_calls", "content", "stop")
 
 
 def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict,
@@ -91,11 +92,11 @@ def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record
 
 def _optional(fields: dict[str, str], custom_id: str | None, **extra) -> dict[str, str]:
     """Only samples that asked carry logprobs (or prompt logprobs, or tool calls), only items
-    that have one their custom_id: the other entries stay small. `content` is text, the rest
-    JSON."""
+    that have one their custom_id: the other entries stay small. `content` and `stop` are
+    text, the rest JSON."""
     for k, v in extra.items():
         if v is not None:
-            fields[k] = v if k == "content" else json.dumps(v)
+            fields[k] = v if k in ("content", "stop") else json.dumps(v)
     if custom_id is not None:
         fields["custom_id"] = custom_id
     return fields

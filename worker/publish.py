@@ -31,9 +31,10 @@ def sample_record(ev) -> dict:
     if ev.usage is not None:
         usage = {"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
                  "completion_tokens": ev.usage.completion_tokens}
+    stop = ev.matched_stop if isinstance(ev.matched_stop, str) else None  # a stop string, not a token
     return store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
                                ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
-                               tool_calls=ev.tool_calls, content=ev.content)
+                               tool_calls=ev.tool_calls, content=ev.content, stop=stop)
 
 
 class Publisher:
