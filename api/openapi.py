@@ -4,6 +4,7 @@ too), naming a model the workers serve now. tests/service/test_docs.py POSTs eve
 from __future__ import annotations
 
 import copy
+import json
 
 from jobs.settings import Settings
 
@@ -21,6 +22,11 @@ EXAMPLES = {
     "/detokenize": {"model": MODEL, "tokens": [72, 101, 108]},
     "/v1/batches": {"input_file_id": "file-<id from POST /v1/files>", "endpoint": "/v1/chat/completions",
                     "completion_window": "24h"},
+    "/v1/messages": {"model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "Hello! Who are you?"}]},
+    "/v1/messages/batches": {"requests": [
+        {"custom_id": f"q{i}", "params": {"model": MODEL, "max_tokens": 16,
+                                          "messages": [{"role": "user", "content": q}]}}
+        for i, q in enumerate(("Name three rivers.", "Write a haiku about the sea."))]},
 }
 
 
@@ -35,12 +41,13 @@ def _bound(prop: dict, key: str, value: int) -> None:
 def limits(spec: dict, settings: Settings) -> None:
     """The configured limits, in the request schemas that the server checks them on."""
     tokens = ("max_new_tokens", "min_new_tokens", "max_tokens", "max_completion_tokens", "min_tokens")
-    for name in ("SamplingParams", "ChatCompletionRequest", "CompletionRequest"):
+    for name in ("SamplingParams", "ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "MessageBatchParams"):
         props = spec["components"]["schemas"][name]["properties"]
         for field in tokens:
             if field in props:
                 _bound(props[field], "maximum", settings.max_new_tokens)
-        _bound(props["n"], "maximum", settings.max_n)
+        if "n" in props:
+            _bound(props["n"], "maximum", settings.max_n)
     jobs = spec["components"]["schemas"]["JobRequest"]["properties"]
     for kind in ("prompts", "input_ids", "messages"):
         _bound(jobs[kind], "maxItems", settings.max_batch)
@@ -58,6 +65,7 @@ def build(app, settings: Settings, redis) -> dict:
         served = []
     for path, body in EXAMPLES.items():
         op = spec["paths"][path]["post"]
-        example = {**body, "model": served[0]} if "model" in body and served else body
-        op["requestBody"]["content"]["application/json"]["example"] = example
+        if served:  # wherever the body names a model
+            body = json.loads(json.dumps(body).replace(json.dumps(MODEL), json.dumps(served[0])))
+        op["requestBody"]["content"]["application/json"]["example"] = body
     return spec

@@ -177,6 +177,16 @@ def batches(tenant: str | None) -> str:
     return f"{PREFIX}:batches" if tenant is None else f"{PREFIX}:tenant:{tenant}:batches"
 
 
+def message_batch(job_id: str) -> str:
+    """An Anthropic message batch's record (JSON; api.anthropic.batches): its job is job_id."""
+    return f"{PREFIX}:msgbatch:{job_id}"
+
+
+def message_batches(tenant: str | None) -> str:
+    """Sorted set of the tenant's message batch ids (every one in open mode), by creation time."""
+    return f"{PREFIX}:msgbatches" if tenant is None else f"{PREFIX}:tenant:{tenant}:msgbatches"
+
+
 def batches_open() -> str:
     """Set of the batches not ended yet: every API process moves them along (api.openai.batches)."""
     return f"{PREFIX}:batches:open"

@@ -12,14 +12,14 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          503: "overloaded_error"}
 
 
-class ErrorBody(BaseModel):
+class AnthropicErrorBody(BaseModel):
     type: str
     message: str
 
 
 class AnthropicErrorResponse(BaseModel):
     type: str = "error"
-    error: ErrorBody
+    error: AnthropicErrorBody
 
 
 RESPONSES = {status: {"model": AnthropicErrorResponse, "description": what} for status, what in (

@@ -93,7 +93,7 @@ class InputMessage(_Strict):
     content: str | Annotated[list[Block], Field(min_length=1)]
 
 
-class Tool(_Strict):
+class AnthropicTool(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -133,7 +133,7 @@ class MessagesRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     stream: bool = False
-    tools: list[Tool] | None = None
+    tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
@@ -232,7 +232,7 @@ def _turn(m: InputMessage) -> list[dict]:
 
 # -- responses ---------------------------------------------------------------------------
 
-class Usage(BaseModel):
+class AnthropicUsage(BaseModel):
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int | None = 0
@@ -248,7 +248,7 @@ class Message_(BaseModel):
     content: list[dict]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
-    usage: Usage
+    usage: AnthropicUsage
 
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -271,7 +271,7 @@ def message(id: str, model: str, record: dict) -> dict:
         reason = "stop_sequence" if stop is not None else "end_turn"
     u = record["usage"]
     return Message_(id=id, model=model, content=content, stop_reason=reason, stop_sequence=stop,
-                    usage=Usage(input_tokens=u["prompt_tokens"], output_tokens=u["completion_tokens"],
+                    usage=AnthropicUsage(input_tokens=u["prompt_tokens"], output_tokens=u["completion_tokens"],
                                 cache_read_input_tokens=u.get("cached_tokens", 0))).model_dump()
 
 

@@ -3,6 +3,7 @@ only), against the live service: a message equal to the engine's greedy output o
 chat, the same streamed (its events rebuild the same message), stop sequences, a tool call
 and its result in the next turn, and errors in Anthropic's shape."""
 import json
+import time
 
 import anthropic
 import httpx
@@ -92,3 +93,54 @@ def test_errors_are_anthropics(claude, api_url):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="llama", max_tokens=5, messages=[{"role": "user", "content": "word " * 5000}])
     assert "context" in json.dumps(e.value.body)
+
+
+def test_a_message_batch_of_50_ends_and_its_results_read_by_custom_id(claude, engine):
+    questions = [f"Question number {i}?" for i in range(50)]
+    batch = claude.messages.batches.create(requests=[
+        {"custom_id": f"q-{i}", "params": {"model": "llama", "max_tokens": 6, "temperature": 0,
+                                            "messages": [{"role": "user", "content": q}]}}
+        for i, q in enumerate(questions)] + [
+        {"custom_id": "too-long", "params": {"model": "llama", "max_tokens": 6,
+                                              "messages": [{"role": "user", "content": "word " * 5000}]}}])
+    assert batch.type == "message_batch" and batch.id.startswith("msgbatch_")
+    assert batch.processing_status == "in_progress" and batch.results_url is None
+    deadline = time.monotonic() + 120
+    while (batch := claude.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    counts = batch.request_counts
+    assert (counts.succeeded, counts.errored, counts.processing, counts.canceled) == (50, 1, 0, 0)
+    assert batch.ended_at is not None and batch.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
+    got = {r.custom_id: r.result for r in claude.messages.batches.results(batch.id)}
+    assert list(got) == [f"q-{i}" for i in range(50)] + ["too-long"]  # the requests' order
+    want = engine.generate(messages=[[{"role": "user", "content": q}] for q in questions],
+                           sampling_params=SamplingParams(max_new_tokens=6, temperature=0))
+    for i, it in enumerate(want):
+        r = got[f"q-{i}"]
+        assert r.type == "succeeded" and r.message.content[0].text == it.samples[0].text
+    assert got["too-long"].type == "errored" and "context" in got["too-long"].error.error.message
+    listed = claude.messages.batches.list(limit=5)
+    assert batch.id in [b.id for b in listed.data]
+    assert claude.messages.batches.delete(batch.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve(batch.id)
+
+
+def test_a_canceled_message_batch_keeps_what_finished(claude):
+    batch = claude.messages.batches.create(requests=[
+        {"custom_id": f"r{i}", "params": {"model": "llama", "max_tokens": 900, "temperature": 1,
+                                           "messages": [{"role": "user", "content": f"Tell me a long story {i}."}]}}
+        for i in range(30)])
+    canceling = claude.messages.batches.cancel(batch.id)
+    assert canceling.processing_status in ("canceling", "ended") and canceling.cancel_initiated_at is not None
+    deadline = time.monotonic() + 60
+    while (batch := claude.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    c = batch.request_counts
+    assert c.canceled > 0 and c.succeeded + c.errored + c.canceled == 30 and c.processing == 0, c
+    kinds = [r.result.type for r in claude.messages.batches.results(batch.id)]
+    assert len(kinds) == 30 and kinds.count("canceled") == c.canceled and kinds.count("succeeded") == c.succeeded
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.batches.retrieve("msgbatch_nope")

@@ -58,7 +58,7 @@ def test_every_request_example_runs_as_shown_and_the_bounds_are_the_servers(api_
         assert r.status_code < 300, (path, example, r.text)
         ran.append(path)
     assert sorted(ran) == ["/detokenize", "/tokenize", "/v1/batches", "/v1/chat/completions", "/v1/completions",
-                           "/v1/jobs"]
+                           "/v1/jobs", "/v1/messages", "/v1/messages/batches"]
     schemas = spec["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["max_tokens"]["anyOf"][0]["maximum"] == 1000 and chat["n"]["anyOf"][0]["maximum"] == 8
@@ -66,7 +66,8 @@ def test_every_request_example_runs_as_shown_and_the_bounds_are_the_servers(api_
     assert schemas["JobRequest"]["properties"]["prompts"]["anyOf"][0]["maxItems"] == 64
     assert not [name for name in schemas if "__" in name]  # readable names, one per model
     tags = {t for ops in spec["paths"].values() for op in ops.values() for t in op.get("tags", [])}
-    assert tags == {"jobs", "OpenAI", "OpenAI files and batches", "tokenizer", "admin"}
+    assert tags == {"jobs", "OpenAI", "OpenAI files and batches", "Anthropic", "tokenizer", "admin"}
+    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 1000
     for method, path in (("get", "/v1/nothing"), ("delete", "/v1/chat/completions")):
         r = httpx.request(method, f"{api_url}{path}", timeout=10)
         assert r.status_code in (404, 405) and set(r.json()["error"]) == {"message", "type", "param", "code"}

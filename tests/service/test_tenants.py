@@ -271,3 +271,23 @@ def test_file_bytes_bounds_what_a_key_keeps_in_files(service):
         assert all(r.headers["Retry-After"] == "5" for r in refused)  # room frees as files go
         assert c.delete(f"/v1/files/{first.json()['id']}").status_code == 200
         assert upload(c).status_code == 200
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key_and_see_only_their_batches(service):
+    import anthropic
+
+    a_key, _ = service.key(name="claude-a", limits={})
+    b_key, _ = service.key(name="claude-b", limits={})
+    with anthropic.Anthropic(base_url=service.url, api_key=a_key, max_retries=0, timeout=60) as a:
+        msg = a.messages.create(model="llama", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert msg.type == "message"
+        batch = a.messages.batches.create(requests=[{"custom_id": "one", "params": {
+            "model": "llama", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}}])
+    with anthropic.Anthropic(base_url=service.url, api_key=b_key, max_retries=0, timeout=60) as b:
+        with pytest.raises(anthropic.NotFoundError):
+            b.messages.batches.retrieve(batch.id)
+        assert batch.id not in [x.id for x in b.messages.batches.list().data]
+    with anthropic.Anthropic(base_url=service.url, api_key="fo_wrong", max_retries=0, timeout=60) as nobody:
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            nobody.messages.create(model="llama", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
