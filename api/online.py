@@ -110,6 +110,14 @@ async def first_output(entries: AsyncIterator[dict]) -> list[dict]:
     return first
 
 
+async def replay(first: list[dict], entries: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """The entries first_output read, then the rest of the stream."""
+    for e in first:
+        yield e
+    async for e in entries:
+        yield e
+
+
 async def collect(entries: AsyncIterator[dict], size: int, n: int) -> list[list[dict]]:
     """Every sample's record, by item; Failed when one failed or the job did not succeed."""
     found, end = {}, {}

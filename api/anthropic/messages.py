@@ -91,13 +91,7 @@ async def _events(msg_id: str, model: str, first: list[dict], entries, whole: bo
     yield _sse("ping", {})
     rebuilt, sent, opened, done = Rebuilder(), 0, False, False
 
-    async def every():
-        for e in first:
-            yield e
-        async for e in entries:
-            yield e
-
-    async for e in every():  # to the job's end: closing it early would cancel the job
+    async for e in online.replay(first, entries):  # to the job's end: closing it early would cancel the job
         if done:
             continue
         rebuilt.apply(e)

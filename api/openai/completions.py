@@ -144,13 +144,7 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
         for c in range(size * n):
             yield _sse({**bodies.chat_chunk(*head, c, {"role": "assistant", "content": ""}), **extra})
 
-    async def every():
-        for e in first:
-            yield e
-        async for e in entries:
-            yield e
-
-    async for e in every():
+    async for e in online.replay(first, entries):
         rebuilt.apply(e)
         kind = e["type"]
         if kind == streams.CLOSED:

@@ -195,9 +195,8 @@ class Scheduler:
 
     def _share(self, want: Counter) -> int | None:
         """The requests each owner may run this step, given how many each has that could
-        run (module docstring, "Step shares"); None when there is no limit (one owner, or
-        step_share 0)."""
-        if not self.step_share or len(want) < 2:
+        run (module docstring, "Step shares"); None when fewer than two owners have any."""
+        if len(want) < 2:
             return None
         return max(self.step_share, min(want.values()))
 
@@ -216,8 +215,10 @@ class Scheduler:
             elif todo > 1:
                 candidates.append(r)
         candidates += waiting
-        want = Counter(r.owner for r in decodes) + Counter(r.owner for r in candidates)
-        share = self._share(want)
+        share = None
+        if self.step_share and len(self.owners) > 1:  # one owner (the usual case): no counting
+            want = Counter(r.owner for r in decodes) + Counter(r.owner for r in candidates)
+            share = self._share(want)
         used: Counter = Counter()
         if share is not None:
             candidates.sort(key=lambda r: want[r.owner])  # the least busy owners' prefill first
