@@ -150,6 +150,15 @@ def test_llguidance_takes_what_xgrammar_does_not(engine, mixed):
     m = xgrammar.GrammarMatcher(grammars._compile_xgrammar(*SamplingParams(json_schema=ALL_OF).grammar))
     assert all(m.accept_token(t) for t in engine.tokenizer.encode("{}", add_special_tokens=False))
     assert m.accept_token(2) and m.is_terminated()
+    # xgrammar takes a raw form feed in a string with a length bound (JSON forbids control
+    # characters in strings); our grammars (XGRAMMAR_BOUNDED_CHAR) do not.
+    bounded = SamplingParams(json_schema={"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}},
+                                          "required": ["s"], "additionalProperties": False})
+    raw = engine.tokenizer.encode('{"s": "a\x0cb', add_special_tokens=False)
+    m = xgrammar.GrammarMatcher(grammars._xgr.compile_json_schema(bounded.json_schema, any_whitespace=False))
+    assert all(m.accept_token(t) for t in raw)
+    ours = grammars.matcher(bounded.grammar)
+    assert not ours._ll and not all(ours.accept(t) for t in raw)
 
 
 def test_logprobs_are_the_models_own(mixed):

@@ -27,6 +27,12 @@ from .sampling_params import llguidance_grammar
 log = logging.getLogger("fanout.engine")
 
 
+# xgrammar 0.2 writes the characters of a string with a length bound (minLength,
+# maxLength) as this class, which lets raw control characters through (JSON forbids them:
+# json.loads refuses such output); ours refuses them, as its unbounded strings do.
+XGRAMMAR_BOUNDED_CHAR = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]')
+
+
 class GrammarError(ValueError):
     """The grammar libraries cannot compile a grammar; the message is theirs."""
 
@@ -112,14 +118,15 @@ class Grammars:
         return Matcher(m, True)
 
     def _compile_xgrammar(self, kind: str, text: str):
+        import xgrammar as xgr
         if self._xgr is None:
-            import xgrammar as xgr
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_ids)
             self._xgr = xgr.GrammarCompiler(info, cache_enabled=False)  # the cache is ours
         if kind == "json_schema":
             # Compact JSON: free whitespace lets a sampled model wander off into blank lines.
-            return self._xgr.compile_json_schema(text, any_whitespace=False)
+            ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+            return self._xgr.compile_grammar(ebnf.replace(*XGRAMMAR_BOUNDED_CHAR))
         if kind == "regex":
             return self._xgr.compile_regex(text)
         # One literal per choice; EBNF strings take JSON's escapes (ensure_ascii=False keeps
