@@ -18,6 +18,7 @@ EXAMPLES = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
                              "max_tokens": 32, "temperature": 0},
     "/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+    "/v1/responses": {"model": MODEL, "input": "Hello! Who are you?", "max_output_tokens": 32, "temperature": 0},
     "/tokenize": {"model": MODEL, "prompt": "Hello, world"},
     "/detokenize": {"model": MODEL, "tokens": [72, 101, 108]},
     "/v1/batches": {"input_file_id": "file-<id from POST /v1/files>", "endpoint": "/v1/chat/completions",
@@ -40,8 +41,10 @@ def _bound(prop: dict, key: str, value: int) -> None:
 
 def limits(spec: dict, settings: Settings) -> None:
     """The configured limits, in the request schemas that the server checks them on."""
-    tokens = ("max_new_tokens", "min_new_tokens", "max_tokens", "max_completion_tokens", "min_tokens")
-    for name in ("SamplingParams", "ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "MessageBatchParams"):
+    tokens = ("max_new_tokens", "min_new_tokens", "max_tokens", "max_completion_tokens", "min_tokens",
+              "max_output_tokens")
+    for name in ("SamplingParams", "ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "MessageBatchParams",
+                 "ResponseRequest"):
         props = spec["components"]["schemas"][name]["properties"]
         for field in tokens:
             if field in props:

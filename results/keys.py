@@ -177,6 +177,11 @@ def batches(tenant: str | None) -> str:
     return f"{PREFIX}:batches" if tenant is None else f"{PREFIX}:tenant:{tenant}:batches"
 
 
+def response(response_id: str) -> str:
+    """A stored Responses API response and its conversation (JSON; api.openai.responses)."""
+    return f"{PREFIX}:response:{response_id}"
+
+
 def message_batch(job_id: str) -> str:
     """An Anthropic message batch's record (JSON; api.anthropic.batches): its job is job_id."""
     return f"{PREFIX}:msgbatch:{job_id}"

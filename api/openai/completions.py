@@ -90,7 +90,7 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
             return JSONResponse(bodies.text_completion(*head, found, texts))
         first = await online.first_output(job.entries)  # a prompt that cannot run still gets its 400
     except online.Failed as e:
-        raise _failure(e.entry, chat) from None
+        raise error_of(e.entry, "messages" if chat else "prompt") from None
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     # With tools, a choice's text is a call or not only once it is whole: it comes at its end.
     whole = chat and bool(params.tools) and params.effective_tool_choice != "none"
@@ -103,13 +103,15 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
 _CHAT_ERROR = re.compile(r"messages\[0\]: (?:message (\d+): )?(.*)", re.S)
 
 
-def _failure(entry: dict, chat: bool) -> OpenAIError:
+def error_of(entry: dict, field: str) -> OpenAIError:
+    """The stream entry that ended an online request (online.Failed), as OpenAI's error;
+    `field` is the request's input (`messages`, `prompt`, `input`), named as its param."""
     if entry.get("type") == events.ERROR:
         # A chat is the job's one item: name its message where the engine knows it.
-        if chat and (m := _CHAT_ERROR.fullmatch(entry["error"])):
-            param = f"messages[{m.group(1)}]" if m.group(1) is not None else "messages"
+        if field != "prompt" and (m := _CHAT_ERROR.fullmatch(entry["error"])):
+            param = f"messages[{m.group(1)}]" if field == "messages" and m.group(1) is not None else field
             return OpenAIError(400, f"{param}: {m.group(2)}", param=param, code="invalid_prompt")
-        return OpenAIError(400, entry["error"], param="messages" if chat else "prompt", code="invalid_prompt")
+        return OpenAIError(400, entry["error"], param=field, code="invalid_prompt")
     if entry.get("type") == streams.CLOSED:
         return OpenAIError(401, f"{entry['reason']}: the request was canceled", code="revoked_api_key")
     return OpenAIError(500, f"the request's job {entry.get('status', 'ended')}: {entry.get('error') or 'no output'}",
@@ -148,10 +150,10 @@ async def _chunks(chat: bool, head: tuple, first: list[dict], entries, size: int
         rebuilt.apply(e)
         kind = e["type"]
         if kind == streams.CLOSED:
-            yield _sse(_failure(e, chat).body())  # no [DONE]: the answer is cut
+            yield _sse(error_of(e, "messages" if chat else "prompt").body())  # no [DONE]: the answer is cut
             return
         if kind == events.ERROR or (events.is_terminal(e) and e["status"] != "succeeded"):
-            yield _sse(_failure(e, chat).body())  # the other samples go on, unless the job ended
+            yield _sse(error_of(e, "messages" if chat else "prompt").body())  # the other samples go on, unless the job ended
             if kind == events.ERROR:
                 continue
             return

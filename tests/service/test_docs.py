@@ -58,7 +58,7 @@ def test_every_request_example_runs_as_shown_and_the_bounds_are_the_servers(api_
         assert r.status_code < 300, (path, example, r.text)
         ran.append(path)
     assert sorted(ran) == ["/detokenize", "/tokenize", "/v1/batches", "/v1/chat/completions", "/v1/completions",
-                           "/v1/jobs", "/v1/messages", "/v1/messages/batches"]
+                           "/v1/jobs", "/v1/messages", "/v1/messages/batches", "/v1/responses"]
     schemas = spec["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["max_tokens"]["anyOf"][0]["maximum"] == 1000 and chat["n"]["anyOf"][0]["maximum"] == 8

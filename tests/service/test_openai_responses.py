@@ -1,0 +1,88 @@
+"""OpenAI's Responses API with the official `openai` client, unchanged: responses.create
+(the engine's greedy answer on the same chat), .stream (its events rebuild the same text),
+.parse (a pydantic model, decoded under its schema), a function call continued through
+previous_response_id, stored responses, and errors."""
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from worker.engine import SamplingParams
+
+
+class City(BaseModel):
+    name: str = Field(max_length=12)
+    rivers: int = Field(ge=0, le=9)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": WEATHER}]
+
+
+@pytest.fixture
+def oai(api_url, worker):
+    with openai.OpenAI(base_url=api_url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def greedy(engine, chat, n):
+    return engine.generate(messages=[chat], sampling_params=SamplingParams(max_new_tokens=n, temperature=0))[0].samples[0]
+
+
+def test_create_and_stream_give_the_engines_answer_and_it_is_stored(oai, engine):
+    want = greedy(engine, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}], 10)
+    r = oai.responses.create(model="llama", input="Tell me about the sea.", instructions="Be brief.",
+                             max_output_tokens=10, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == want.text
+    assert r.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == len(want.token_ids) and r.usage.input_tokens > 0
+    assert oai.responses.retrieve(r.id).output_text == want.text
+    with oai.responses.stream(model="llama", input="Tell me about the sea.", instructions="Be brief.",
+                              max_output_tokens=10, temperature=0) as s:
+        seen = list(s)
+    deltas = [e.delta for e in seen if e.type == "response.output_text.delta"]
+    # the last event is response.incomplete when max_output_tokens ended it (the SDK's
+    # get_final_response() takes only response.completed, as with OpenAI)
+    assert seen[-1].type == "response." + r.status and seen[-1].response.output_text == want.text
+    assert "".join(deltas) == want.text and [e.sequence_number for e in seen] == list(range(len(seen)))
+    not_kept = oai.responses.create(model="llama", input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(not_kept.id)
+
+
+def test_parse_decodes_under_the_models_schema(oai):
+    got = oai.responses.parse(model="llama", input="A city and its rivers, as JSON.", text_format=City,
+                              max_output_tokens=200, temperature=1.0)
+    assert isinstance(got.output_parsed, City)
+
+
+def test_a_function_call_continued_through_previous_response_id(oai):
+    r = oai.responses.create(model="llama", input="Weather in Oslo?", tools=TOOLS, tool_choice="required",
+                             parallel_tool_calls=False, max_output_tokens=100, temperature=0)
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and '"city"' in call.arguments
+    final = oai.responses.create(model="llama", previous_response_id=r.id, tools=TOOLS, tool_choice="none",
+                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+                                 max_output_tokens=5, temperature=0)
+    assert final.previous_response_id == r.id and [o.type for o in final.output] == ["message"]
+    assert final.usage.input_tokens > r.usage.input_tokens  # the earlier turns came along
+    with oai.responses.stream(model="llama", input="Weather in Oslo?", tools=TOOLS, tool_choice="required",
+                              max_output_tokens=100, temperature=0) as s:
+        streamed = s.get_final_response()
+    assert [o.type for o in streamed.output] == ["function_call"] and streamed.output[0].arguments == call.arguments
+
+
+def test_errors_name_the_parameter(oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.responses.create(model="gpt-5", input="hi")
+    assert e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="llama", input="hi", max_output_tokens=10**6)
+    assert e.value.param == "max_output_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="llama", input="hi", previous_response_id="resp_nope")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="llama", input=[{"role": "user", "content": "word " * 5000}], max_output_tokens=2)
+    assert e.value.param == "input" and "context" in e.value.message
