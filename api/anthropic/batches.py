@@ -144,7 +144,7 @@ def _create(request: Request, body: MessageBatchCreate) -> dict:
                                      metadata={"anthropic_batch": record["id"]}),
                 st.settings, job_id=job_id, tenant=tenant, store=st.blobs)
     listing = keys.message_batches(record["tenant"])
-    st.redis.zadd(listing, {record["id"]: now})
+    st.redis.zadd(listing, {record["id"]: time.time()})  # newest first, to the microsecond
     st.redis.expire(listing, st.settings.result_ttl)
     return public(request, record)
 

@@ -29,7 +29,7 @@ from .. import jobs
 from ..lease import Lease, Lost
 from ..schemas import JobRequest
 from ..tenants import OverLimit
-from . import batchinput, bodies, files, models
+from . import batchinput, bodies, files, models, responses
 from .errors import OpenAIErrorResponse, OpenAIError, from_validation, not_found
 from .schemas import Batch, BatchCreate, BatchList
 
@@ -131,7 +131,7 @@ def create(body: BatchCreate, request: Request):
               "metadata": body.metadata, "_tenant": _tenant_id(tenant)}
     with redis.pipeline() as pipe:
         pipe.set(keys.batch(batch_id), json.dumps(record))
-        pipe.zadd(keys.batches(_tenant_id(tenant)), {batch_id: now})
+        pipe.zadd(keys.batches(_tenant_id(tenant)), {batch_id: time.time()})  # newest first, to the microsecond
         pipe.sadd(keys.batches_open(), batch_id)
         pipe.execute()
 
@@ -328,8 +328,7 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
     (the lease renewed at each); returns the count of each and the batch's usage (summed
     over the output)."""
     job_id = _job_id(record["id"])
-    chat = record["endpoint"] == "/v1/chat/completions"
-    make = bodies.chat_completion if chat else bodies.text_completion
+    endpoint = record["endpoint"]
     info = progress.read(redis, job_id)
     ns, created = (info["ns"] if info else []), int(time.time())
     counts, prompt, cached, completion = {"output": 0, "error": 0}, 0, 0, 0
@@ -352,7 +351,7 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
                 write(errors, "error", {**line, "response": {"status_code": 400, "request_id": request_id,
                                                              "body": body}, "error": None})
             elif len(samples) == ns[i]:
-                body = make(f"{'chatcmpl' if chat else 'cmpl'}-{job_id}-{i}", created, record["model"], [samples])
+                body = _body(endpoint, job_id, i, created, record["model"], samples)
                 write(output, "output", {**line, "response": {"status_code": 200, "request_id": request_id,
                                                               "body": body}, "error": None})
                 answered.append(samples)
@@ -366,6 +365,15 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
     return counts, {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                     "total_tokens": prompt + completion}
+
+
+def _body(endpoint: str, job_id: str, i: int, created: int, model: str, samples: list[dict]) -> dict:
+    """Line i's answer as its endpoint's response body."""
+    if endpoint == "/v1/responses":
+        return responses.batch_body(f"resp_{job_id}_{i}", created, model, samples[0])
+    if endpoint == "/v1/chat/completions":
+        return bodies.chat_completion(f"chatcmpl-{job_id}-{i}", created, model, [samples])
+    return bodies.text_completion(f"cmpl-{job_id}-{i}", created, model, [samples])
 
 
 async def sweep(state) -> None:

@@ -21,16 +21,18 @@ from jobs.spec import CustomId
 from .. import jobs
 from ..unique import Seen
 from .errors import OpenAIError, param
-from .schemas import ChatCompletionRequest, CompletionRequest, Strict, image_error, sampling_params
+from . import responses
+from .schemas import ChatCompletionRequest, CompletionRequest, Endpoint, Strict, image_error, sampling_params
 
-REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+            "/v1/responses": responses.ResponseRequest}
 MAX_ERRORS = 20  # reported per file
 
 
 class Line(Strict):
     custom_id: CustomId
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Endpoint
     body: dict[str, Any]
 
 
@@ -39,7 +41,7 @@ class Request:
     line: int  # 1-based, as in errors.data[].line
     custom_id: str
     url: str
-    body: Any  # ChatCompletionRequest | CompletionRequest
+    body: Any  # ChatCompletionRequest | CompletionRequest | ResponseRequest
     params: SamplingParams
 
 
@@ -167,6 +169,12 @@ def _params(body, settings: Settings) -> SamplingParams:
     """The line's sampling parameters; OpenAIError for what a line may not ask here."""
     if body.stream:
         raise OpenAIError(400, "stream: not in a batch (its lines stream on the job's events)", "stream")
+    if isinstance(body, responses.ResponseRequest):
+        if body.previous_response_id is not None:
+            raise OpenAIError(400, "previous_response_id: not in a batch line (give the conversation as input items)",
+                              "previous_response_id")
+        responses.chat_of(body, [])  # its errors, at upload
+        return responses.params_of(body, settings)
     if isinstance(body, CompletionRequest) and body.echo:
         raise OpenAIError(400, "echo: not in a batch line; ask prompt_logprobs for the prompt's logprobs "
                                "(each output body's choices carry them)", "echo")
@@ -229,4 +237,6 @@ def _item(r: Request) -> tuple[Any, str]:
     """(the line's item as a job entry holds it, its kind)."""
     if r.url == "/v1/chat/completions":
         return [m.job_message().model_dump(mode="json") for m in r.body.messages], "messages"
+    if r.url == "/v1/responses":
+        return responses.chat_of(r.body, []), "messages"
     return r.body.prompt, "prompts" if isinstance(r.body.prompt, str) else "input_ids"

@@ -70,7 +70,7 @@ def record(redis, store, file_id: str, size: int, filename: str, purpose: str, t
                                                       f"this API key's limit of {quota} (file_bytes)")
                 pipe.multi()
                 pipe.set(keys.file(file_id), json.dumps({**obj, "tenant": tenant_id}), ex=ttl)
-                pipe.zadd(listed, {file_id: now})
+                pipe.zadd(listed, {file_id: time.time()})  # newest first, to the microsecond
                 if ttl:
                     pipe.zadd(keys.blobs_due(), {keys.due_file(file_id): now + ttl})
                 else:

@@ -129,7 +129,7 @@ class ResponseRequest(_Strict):
     prompt_cache_key: str | None = Field(None, description="no effect")
 
 
-def _chat(req: ResponseRequest, before: list[dict]) -> list[dict]:
+def chat_of(req: ResponseRequest, before: list[dict]) -> list[dict]:
     """The job's chat: the earlier response's conversation, instructions, then the input."""
     out = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + list(before)
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
@@ -156,7 +156,7 @@ def _chat(req: ResponseRequest, before: list[dict]) -> list[dict]:
     return out
 
 
-def _params(req: ResponseRequest, settings) -> SamplingParams:
+def params_of(req: ResponseRequest, settings) -> SamplingParams:
     given: dict[str, Any] = {"max_new_tokens": req.max_output_tokens or settings.max_new_tokens}
     names = {"max_new_tokens": "max_output_tokens", "json_schema": "text.format", "json_object": "text.format"}
     for field in ("temperature", "top_p", "parallel_tool_calls"):
@@ -208,19 +208,24 @@ def _output(response_id: str, record: dict) -> list[dict]:
     return out
 
 
-def _object(response_id: str, created: int, req: ResponseRequest, status: str, output: list[dict],
-            record: dict | None = None) -> dict:
-    usage = None
-    incomplete = None
-    if record is not None:
-        u = record["usage"]
-        usage = {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
-                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
-        if record["finish_reason"] == "length":
-            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-    return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
-            "incomplete_details": incomplete, "instructions": req.instructions, "model": req.model, "output": output,
+def _answer(response_id: str, record: dict) -> dict:
+    """What a finished response says of its answer: status, output, usage."""
+    u = record["usage"]
+    cut = record["finish_reason"] == "length"
+    return {"status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": _output(response_id, record),
+            "usage": {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
+                      "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}}
+
+
+def _object(response_id: str, created: int, req: ResponseRequest, record: dict | None = None) -> dict:
+    """The response object: in progress (no record yet) or finished with the record's answer."""
+    answer = _answer(response_id, record) if record is not None else {
+        "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
+    return {"id": response_id, "object": "response", "created_at": created, "error": None, **answer,
+            "instructions": req.instructions, "model": req.model,
             "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
@@ -228,7 +233,14 @@ def _object(response_id: str, created: int, req: ResponseRequest, status: str, o
                                 if req.text and req.text.format else {"type": "text"})},
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
             else req.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {}}
+            "truncation": "disabled", "user": req.user, "metadata": req.metadata or {}}
+
+
+def batch_body(response_id: str, created: int, model: str, record: dict) -> dict:
+    """A batch line's response: the answer without the request's echo (instructions, tools,
+    temperature...), which the batch does not keep; the input file has it by custom_id."""
+    return {"id": response_id, "object": "response", "created_at": created, "error": None, "model": model,
+            **_answer(response_id, record)}
 
 
 def _load(redis, response_id: str, tenant) -> dict:
@@ -260,8 +272,8 @@ async def create(req: ResponseRequest, request: Request):
     if req.previous_response_id is not None:
         earlier = await anyio.to_thread.run_sync(_load, st.redis, req.previous_response_id, request.state.tenant)
         before = [m for m in earlier["chat"] if m["role"] != "system"]  # instructions are not carried over
-    chat = _chat(req, before)
-    params = _params(req, st.settings)
+    chat = chat_of(req, before)
+    params = params_of(req, st.settings)
     if params.tools and params.effective_tool_choice == "auto":
         await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
     metadata = {**(req.metadata or {}), **({"user": req.user} if req.user else {})}
@@ -270,7 +282,7 @@ async def create(req: ResponseRequest, request: Request):
     try:
         if not req.stream:
             [[record]] = await online.collect(job.entries, 1, 1)
-            response = _object(response_id, created, req, "completed", _output(response_id, record), record)
+            response = _object(response_id, created, req, record)
             if req.store:
                 await anyio.to_thread.run_sync(_keep, request, response, chat, record)
             return JSONResponse(response)
@@ -298,8 +310,8 @@ async def _events(request: Request, req: ResponseRequest, response_id: str, crea
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
 
-    yield sse("response.created", {"response": _object(response_id, created, req, "in_progress", [])})
-    yield sse("response.in_progress", {"response": _object(response_id, created, req, "in_progress", [])})
+    yield sse("response.created", {"response": _object(response_id, created, req)})
+    yield sse("response.in_progress", {"response": _object(response_id, created, req)})
     msg_id, rebuilt, sent, opened, done = _id("msg_", response_id), Rebuilder(), 0, False, False
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
@@ -331,8 +343,8 @@ async def _events(request: Request, req: ResponseRequest, response_id: str, crea
         if e["type"] != events.FINAL:
             continue
         record = online.record(e)
-        output = _output(response_id, record)
-        for k, item in enumerate(output):
+        response = _object(response_id, created, req, record)
+        for k, item in enumerate(response["output"]):
             if item["type"] == "message":
                 part = item["content"][0]
                 if whole:
@@ -349,7 +361,6 @@ async def _events(request: Request, req: ResponseRequest, response_id: str, crea
                 yield sse("response.function_call_arguments.done", {"item_id": item["id"], "output_index": k,
                                                                     "arguments": item["arguments"]})
             yield sse("response.output_item.done", {"output_index": k, "item": item})
-        response = _object(response_id, created, req, "completed", output, record)
         if req.store:
             await anyio.to_thread.run_sync(_keep, request, response, chat, record)
         yield sse("response.incomplete" if response["status"] == "incomplete" else "response.completed",

@@ -1,9 +1,13 @@
 """OpenAI's Responses API with the official `openai` client, unchanged: responses.create
 (the engine's greedy answer on the same chat), .stream (its events rebuild the same text),
 .parse (a pydantic model, decoded under its schema), a function call continued through
-previous_response_id, stored responses, and errors."""
+previous_response_id, stored responses, errors, and /v1/responses as a batch endpoint."""
+import json
+import time
+
 import openai
 import pytest
+from openai.types.responses import Response
 from pydantic import BaseModel, Field
 
 from worker.engine import SamplingParams
@@ -86,3 +90,43 @@ def test_errors_name_the_parameter(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="llama", input=[{"role": "user", "content": "word " * 5000}], max_output_tokens=2)
     assert e.value.param == "input" and "context" in e.value.message
+
+
+def test_a_responses_batch_gives_the_engines_answers(oai, engine):
+    def line(custom_id, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+                "body": {"model": "llama", "max_output_tokens": 6, "temperature": 0, **body}}
+
+    texts = ["hi", "why is the sky blue?"]
+    lines = [line(f"text-{i}", input=t, instructions="Be brief.") for i, t in enumerate(texts)]
+    lines.append(line("call", input="Weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                      max_output_tokens=100))
+    lines.append(line("json", input="A city.", text={"format": {"type": "json_schema", "name": "city",
+                                                                "schema": WEATHER}}, max_output_tokens=100))
+    f = oai.files.create(file=("r.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    b = oai.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while b.status != "completed":
+        assert b.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, b
+        time.sleep(0.2)
+        b = oai.batches.retrieve(b.id)
+    assert b.request_counts.completed == 4 and b.error_file_id is None
+    out = {x["custom_id"]: x["response"] for x in map(json.loads, oai.files.content(b.output_file_id).text.splitlines())}
+    for i, t in enumerate(texts):
+        want = greedy(engine, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": t}], 6)
+        r = Response.construct(**out[f"text-{i}"]["body"])  # as the SDK reads a response: unvalidated
+        assert out[f"text-{i}"]["status_code"] == 200 and r.object == "response" and r.id.startswith("resp_")
+        assert r.output_text == want.text and r.usage.output_tokens == len(want.token_ids)
+    [call] = out["call"]["body"]["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert set(json.loads(call["arguments"])) == {"city"}
+    [msg] = out["json"]["body"]["output"]
+    assert set(json.loads(msg["content"][0]["text"])) == {"city"}
+
+
+def test_a_batch_line_cannot_continue_a_stored_response(oai):
+    bad = {"custom_id": "a", "method": "POST", "url": "/v1/responses",
+           "body": {"model": "llama", "input": "hi", "previous_response_id": "resp_x"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.files.create(file=("r.jsonl", (json.dumps(bad) + "\n").encode()), purpose="batch")
+    assert "previous_response_id" in e.value.message
