@@ -77,7 +77,8 @@ def delta(index: int, sample: int, text: str, token_ids: list[int],
 
 # A stored record's fields that only some samples have (store.sample_record), in the final
 # entry as they are in the record.
-OPTIONAL = ("logprobs", "prompt_logprobs", "tool_calls", "content", "stop")
+OPTIONAL = ("logprobs", "prompt_logprobs", "tool_calls", "content", "stop", "embedding")
+TEXTS = ("content", "stop", "embedding")  # the optional fields that are text, not JSON
 
 
 def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record: dict,
@@ -92,11 +93,11 @@ def final(index: int, sample: int, text_delta: str, ids_delta: list[int], record
 
 def _optional(fields: dict[str, str], custom_id: str | None, **extra) -> dict[str, str]:
     """Only samples that asked carry logprobs (or prompt logprobs, or tool calls), only items
-    that have one their custom_id: the other entries stay small. `content` and `stop` are
-    text, the rest JSON."""
+    that have one their custom_id: the other entries stay small. TEXTS are text, the rest
+    JSON."""
     for k, v in extra.items():
         if v is not None:
-            fields[k] = v if k in ("content", "stop") else json.dumps(v)
+            fields[k] = v if k in TEXTS else json.dumps(v)
     if custom_id is not None:
         fields["custom_id"] = custom_id
     return fields

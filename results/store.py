@@ -22,7 +22,9 @@ def sample_record(text: str, token_ids: list[int], finish_reason: str, usage: di
     have them: `prompt_logprobs`, one per prompt token (the first's logprob null; a scoring
     job's records are mostly these); for a chat item with tools, `tool_calls` (the calls
     parsed out of `text`, [{"name", "arguments" JSON text}]) and `content` (the text that is
-    not a call, or null); `stop`, the stop string that ended it."""
+    not a call, or null); `stop`, the stop string that ended it; an embedding job's
+    `embedding`, the vector as base64 of its float32 values (little-endian: OpenAI's
+    `encoding_format: base64`), its text and token_ids empty."""
     rec = {"text": text, "token_ids": token_ids, "finish_reason": finish_reason,
            "usage": usage or {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0},
            "error": error, "logprobs": logprobs}

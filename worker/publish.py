@@ -34,7 +34,8 @@ def sample_record(ev) -> dict:
     stop = ev.matched_stop if isinstance(ev.matched_stop, str) else None  # a stop string, not a token
     return store.sample_record(ev.text or "", ev.token_ids or [], ev.finish_reason, usage, ev.error,
                                ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
-                               tool_calls=ev.tool_calls, content=ev.content, stop=stop)
+                               tool_calls=ev.tool_calls, content=ev.content, stop=stop,
+                               embedding=ev.embedding)
 
 
 class Publisher:

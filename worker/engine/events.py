@@ -52,6 +52,7 @@ class Event:
     # ({"name", "arguments" JSON text}; [] for none) and the text that is not a call.
     tool_calls: list[dict] | None = None
     content: str | None = None
+    embedding: str | None = None  # an embedder's final event: base64 of the float32 vector
 
 
 @dataclass(slots=True)
