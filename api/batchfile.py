@@ -14,6 +14,7 @@ struct, or JSON text). Results in Parquet are one row per item, in input order (
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from typing import Any, Iterable, Iterator
 from urllib.parse import urlparse
@@ -140,23 +141,40 @@ def job_body(path: str, sampling_params: dict[str, Any] | None = None, **fields)
 
 # A results row: the item's index and custom id, and its samples as /results has them; the
 # fields that a sample has only when asked (logprobs, prompt_logprobs, tool_calls, content)
-# are JSON text.
+# are JSON text. An embedding job's samples add `embedding`, float32, a fixed-size list when
+# the job's vectors are known to share a length (always, but in a file whose first ROWS
+# items all failed).
 JSON_TEXT = ("logprobs", "prompt_logprobs", "tool_calls", "content")
 
 
-def _results_schema(pa):
+def _results_schema(pa, embedding: int | bool = False):
     usage = pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                        ("cached_tokens", pa.int64())])
+    vector = [("embedding", pa.list_(pa.float32(), embedding) if embedding is not True
+               else pa.list_(pa.float32()))] if embedding else []
     sample = pa.struct([("sample", pa.int64()), ("text", pa.string()), ("token_ids", pa.list_(pa.int64())),
                         ("finish_reason", pa.string()), ("error", pa.string()), ("usage", usage),
-                        *((k, pa.string()) for k in JSON_TEXT)])
+                        *((k, pa.string()) for k in JSON_TEXT), *vector])
     return pa.schema([("index", pa.int64()), ("custom_id", pa.string()), ("samples", pa.list_(sample))])
+
+
+def _dimensions(items: Iterator[dict]) -> tuple[int | bool, list[dict]]:
+    """(the vectors' length, or True when none of the first ROWS items has one; those items)."""
+    head = []
+    for item in items:
+        head.append(item)
+        found = next((len(s["embedding"]) for s in item["samples"] if s.get("embedding") is not None), None)
+        if found is not None:
+            return found, head
+        if len(head) == ROWS:
+            break
+    return True, head
 
 
 def _row(item: dict) -> dict:
     samples = []
     for s in item["samples"]:
-        row = {k: s.get(k) for k in ("sample", "text", "token_ids", "finish_reason", "error")}
+        row = {k: s.get(k) for k in ("sample", "text", "token_ids", "finish_reason", "error", "embedding")}
         row["usage"] = {k: (s.get("usage") or {}).get(k) for k in ("prompt_tokens", "completion_tokens",
                                                                   "cached_tokens")}
         row.update({k: json.dumps(s[k], ensure_ascii=False) if s.get(k) is not None else None for k in JSON_TEXT})
@@ -164,11 +182,12 @@ def _row(item: dict) -> dict:
     return {"index": item["index"], "custom_id": item.get("custom_id"), "samples": samples}
 
 
-def write_results(items: Iterable[dict], out) -> None:
+def write_results(items: Iterable[dict], out, embedding: bool = False) -> None:
     """Results items (as /results pages them) to `out`: a path or file:// URL, an s3://
     URL (results.blobs, with the standard AWS_* variables; the object appears once whole,
     nothing at all if the writing fails), or a text stream (JSONL). A name ending in
-    .parquet is written as Parquet, any other as JSONL. Written a batch at a time."""
+    .parquet is written as Parquet, any other as JSONL. Written a batch at a time.
+    `embedding`: an embedding job's (its Parquet has the vectors' column)."""
     if isinstance(out, str) and out.startswith("file://"):
         out = urlparse(out).path
     if isinstance(out, str) and out.startswith("s3://"):
@@ -179,11 +198,11 @@ def write_results(items: Iterable[dict], out) -> None:
         if not name:
             raise BatchFileError(f"{out}: name an object (s3://bucket/path/results.jsonl)")
         with blobs.S3Store(url.netloc, folder).writer(name) as w:
-            _write(items, _Sink(w), is_parquet(name))
+            _write(items, _Sink(w), is_parquet(name), embedding)
         return
     if isinstance(out, str):
         if is_parquet(out):
-            _write(items, out, True)
+            _write(items, out, True, embedding)
         else:
             with open(out, "w") as f:
                 _write(items, f, False)
@@ -191,11 +210,15 @@ def write_results(items: Iterable[dict], out) -> None:
     _write(items, out, False)
 
 
-def _write(items: Iterable[dict], f, parquet: bool) -> None:
+def _write(items: Iterable[dict], f, parquet: bool, embedding: bool = False) -> None:
     """To `f`, a path or file (Parquet), or a text or binary stream (JSONL)."""
     if parquet:
         pa = _pyarrow()
-        schema = _results_schema(pa)
+        if embedding:
+            rest = iter(items)
+            dim, head = _dimensions(rest)
+            items = itertools.chain(head, rest)
+        schema = _results_schema(pa, dim if embedding else False)
         with pa.parquet.ParquetWriter(f, schema) as w:
             rows = []
             for item in items:

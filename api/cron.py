@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from jobs import redis_url
 from jobs.settings import Settings
-from jobs.spec import JOB_FUNC, QUEUES
+from jobs.spec import JOB_FUNC, PRIORITIES, QUEUES
 from results import blobs
 
 from . import batchfile, jobs, tenants
@@ -44,7 +44,7 @@ class SubmitJob(CronJob):
     """A cron entry that submits a Fanout job instead of enqueueing a Python call."""
 
     def __init__(self, name: str, entry: dict, base_dir: str, settings: Settings):
-        super().__init__(queue_name=QUEUES[entry.get("priority", "normal")], func_name=JOB_FUNC,
+        super().__init__(queue_name=QUEUES["generate"][entry.get("priority", "normal")], func_name=JOB_FUNC,
                          name=name, cron=entry.get("cron"), interval=entry.get("interval"))
         self.entry, self.base_dir, self.settings = entry, base_dir, settings
         self.request()  # fail at load, not at 2 am
@@ -111,8 +111,8 @@ def load(path: str, connection, settings: Settings) -> Scheduler:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         if ("job" in e) == ("file" in e):
             raise ValueError(f"{where}: give exactly one of job, file")
-        if e.get("priority", "normal") not in QUEUES:
-            raise ValueError(f"{where}.priority: one of {sorted(QUEUES)}")
+        if e.get("priority", "normal") not in PRIORITIES:
+            raise ValueError(f"{where}.priority: one of {sorted(PRIORITIES)}")
         if "tenant" in e and not isinstance(e["tenant"], str):
             raise ValueError(f"{where}.tenant: an API key id (a string; fanout keys list)")
         try:

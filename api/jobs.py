@@ -27,6 +27,7 @@ from results import listing as results_listing
 from jobs import items, shards
 from jobs.settings import Settings
 from jobs.spec import QUEUES, JobSpec
+from worker.embedder.params import EmbedParams
 
 from .lease import Lost
 from .schemas import JobRequest
@@ -36,8 +37,8 @@ class JobNotFound(KeyError):
     pass
 
 
-def queue(redis, priority: str = "normal") -> Queue:
-    return Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+def queue(redis, priority: str = "normal", task: str = "generate") -> Queue:
+    return Queue(QUEUES[task][priority], connection=redis, serializer=JSONSerializer)
 
 
 def new_id() -> str:
@@ -93,12 +94,14 @@ class Planned:
     seed: int
     custom_ids: list[str | None] | None
     lay: items.Layout
+    task: str = "generate"  # jobs.spec.TASKS: the queues its shards go to
+    embed: EmbedParams | None = None  # an embedding job's parameters
 
     @classmethod
     def of(cls, spec: JobSpec, settings: Settings) -> "Planned":
         return cls(spec.kind, progress.Ns.of(p.n for p in spec.sampling_params),
                    sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
-                   items.layout(spec, settings))
+                   items.layout(spec, settings), spec.task, spec.embed)
 
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
@@ -139,10 +142,12 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             run_at = run_at.replace(microsecond=0) + timedelta(seconds=1)
         status = "scheduled" if run_at else "queued"
         wait = max(0, int((run_at - datetime.now(timezone.utc)).total_seconds())) if run_at else 0
-        q = queue(redis, priority)
+        q = queue(redis, priority, planned.task)
         info = {"total": size, "samples": ns.samples, "ns": ns.encode(), "seed": planned.seed,
                 "priority": priority, "metadata": json.dumps(metadata or {}), "state": status,
-                "created_at": progress.timestamp()}
+                "created_at": progress.timestamp(), "task": planned.task}
+        if planned.embed is not None:
+            info["embed"] = planned.embed.model_dump_json(exclude_none=True)
         if run_at:
             info["run_at"] = run_at.isoformat()
         lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
@@ -268,7 +273,7 @@ def describe(redis, job_id: str) -> dict[str, Any]:
     if status == "succeeded":
         error = None  # an attempt's error that a retry got past
     return {
-        "id": job_id, "status": status, "priority": info["priority"],
+        "id": job_id, "status": status, "priority": info["priority"], "task": info["task"],
         "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
         "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
         "error": error, "errors": info["errors"], "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],

@@ -20,7 +20,7 @@ from rq import Queue
 from starlette.routing import compile_path
 
 from jobs import logs
-from jobs.spec import QUEUE_ORDER
+from jobs.spec import ALL_QUEUES
 
 REQUESTS = Counter("fanout_api_requests", "HTTP requests by method, route template and status code",
                    ["method", "route", "status"])
@@ -90,7 +90,7 @@ class Jobs:
         self.conn = conn
 
     def collect(self):
-        queues = [Queue(name, connection=self.conn) for name in QUEUE_ORDER]
+        queues = [Queue(name, connection=self.conn) for name in ALL_QUEUES]
         try:
             with self.conn.pipeline(transaction=False) as pipe:
                 for q in queues:

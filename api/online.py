@@ -12,6 +12,7 @@ import anyio
 from fastapi import Request
 
 from results import events, keys
+from worker.embedder.params import EmbedParams
 from worker.engine.sampling_params import SamplingParams
 
 from . import jobs, streams, submit
@@ -33,13 +34,15 @@ class Online:
     entries: AsyncIterator[dict]  # the job's stream entries (closing it cancels the job)
 
 
-async def start(request: Request, items: dict, params: SamplingParams, metadata: dict,
+async def start(request: Request, items: dict, params: SamplingParams | EmbedParams, metadata: dict,
                 disconnect: bool = True) -> Online:
-    """Submit the job (`items`: JobInput's fields) and follow its stream. `disconnect`: end
-    (and cancel) when the client goes away (a streamed response is ended by Starlette)."""
+    """Submit the job (`items`: JobInput's fields; an embedding job's with EmbedParams) and
+    follow its stream. `disconnect`: end (and cancel) when the client goes away (a streamed
+    response is ended by Starlette)."""
     st, tenant = request.app.state, request.state.tenant
     may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
-    job = JobRequest(**items, sampling_params=params, priority="high" if may_pass else "normal", metadata=metadata)
+    how = {"task": "embed", "embed": params} if isinstance(params, EmbedParams) else {"sampling_params": params}
+    job = JobRequest(**items, **how, priority="high" if may_pass else "normal", metadata=metadata)
     # The stream is followed before the job exists: past FANOUT_MAX_STREAMS no job is made.
     job_id = jobs.new_id()
     follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))

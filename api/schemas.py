@@ -6,8 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
+from worker.embedder.params import EmbedParams
 from worker.engine.sampling_params import SamplingParams, per_item
-from jobs.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec
+from jobs.spec import CONTENT_TAGS, KINDS, JobInput, JobSpec, Task
 
 from .tenants import LIMITS
 
@@ -46,6 +47,10 @@ class JobRequest(JobInput):
     input_url: str | None = Field(None, min_length=1, max_length=2048, description=(
         "instead of items: a dataset the API reads itself, `s3://` in the configured blob store or "
         "`file://` under FANOUT_INPUT_ROOT, JSONL or Parquet, as `input_file_id`'s"))
+    task: Task = Field("generate", description=(
+        "generate (the default): samples of text; embed: one vector per item (`prompts` or "
+        "`input_ids`), on the workers of an embedding model, with `embed` instead of sampling_params"))
+    embed: EmbedParams | None = Field(None, description="an embedding job's parameters (task embed)")
 
     @property
     def input(self) -> str | None:
@@ -56,6 +61,10 @@ class JobRequest(JobInput):
     @model_validator(mode="after")
     def _one_input(self):
         """Items, or a dataset of them (JobInput's check for the items)."""
+        if self.task == "embed":
+            self._embedding()
+        elif self.embed is not None:
+            raise ValueError("embed: only with task embed")
         if self.input is None:
             return JobInput._one_input(self)
         if self.input_file_id is not None and self.input_url is not None:
@@ -66,6 +75,18 @@ class JobRequest(JobInput):
         if isinstance(self.sampling_params, list):
             raise ValueError(f"sampling_params: one object with {self.input} (a line's own override it)")
         return self
+
+    def _embedding(self) -> None:
+        if self.messages is not None:
+            raise ValueError("messages: an embedding job (task embed) takes prompts or input_ids")
+        if "sampling_params" in self.model_fields_set:
+            raise ValueError("sampling_params: an embedding job (task embed) samples nothing; its "
+                             "parameters are `embed`")
+        if self.input is not None:
+            raise ValueError(f"{self.input}: an embedding job takes its items in the request (datasets: "
+                             "POST /v1/batches with the /v1/embeddings endpoint)")
+        if self.embed is None:
+            self.embed = EmbedParams()
 
     @field_validator("run_at")
     @classmethod
@@ -91,7 +112,7 @@ class JobRequest(JobInput):
             job_seed = random.getrandbits(63)
         # Every part was validated with this request: not validated again (10,000 items, 18 ms).
         return JobSpec.model_construct(**{self.kind: self.items}, custom_ids=self.custom_ids,
-                                       sampling_params=params, seed=job_seed)
+                                       sampling_params=params, seed=job_seed, task=self.task, embed=self.embed)
 
 
 class JobCreated(BaseModel):
@@ -134,6 +155,7 @@ class JobInfo(BaseModel):
     id: str
     status: Status
     priority: Priority
+    task: Task = Field(description="generate, or embed: an embedding job (one vector per item)")
     progress: Progress
     usage: Usage = Field(description="summed over samples")
     error: str | None
@@ -193,6 +215,7 @@ class SampleOut(BaseModel):
     tool_calls: list[ParsedCall] | None = Field(
         None, description="a chat item with tools: the calls parsed out of `text` ([] for none); else null")
     content: str | None = Field(None, description="a chat item with tools: the text that is not a call")
+    embedding: list[float] | None = Field(None, description="an embedding job's vector (float32 values)")
 
 
 class ItemOut(BaseModel):

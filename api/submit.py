@@ -201,7 +201,7 @@ def get_output(job_id: str, request: Request, format: Literal["jsonl", "parquet"
     spool = tempfile.NamedTemporaryFile(prefix="fanout-output-", suffix=".parquet", delete=False)
     spool.close()
     try:
-        write_results(items(), spool.name)
+        write_results(items(), spool.name, info["task"] == "embed")
     except BatchFileError as e:
         os.unlink(spool.name)
         raise RequestValidationError([{"loc": ("query", "format"), "type": "value_error", "msg": str(e)}]) from None

@@ -73,7 +73,7 @@ def model_named(redis, model: str | None) -> str:
     """`model`, or when it is None the one model the fleet serves (a 400 naming `model` when
     it serves several, a 404 when none)."""
     if model is not None:
-        models.require(redis, model)
+        models.require(redis, model, task=None)
         return model
     names = sorted(models.served(redis))
     if len(names) == 1:
@@ -86,7 +86,7 @@ def model_named(redis, model: str | None) -> str:
 
 def tokenizer(redis, model: str):
     """The model's tokenizer and its lock (a tokenizer is not used by two threads at once)."""
-    models.require(redis, model)
+    models.require(redis, model, task=None)
     digest = redis.hget(keys.tokenizer(model), "digest")
     if digest is None:
         raise OpenAIError(503, f"the workers of {model!r} have not published their tokenizer yet",

@@ -102,19 +102,31 @@ def served_name(model: str) -> str:
 
 def cmd_worker(args) -> None:
     from worker.consumer import Consumer
+    from worker.embedder import Embedder
+    from worker.embedder.layout import is_embedding_model
     from worker.engine import Engine, freeze_gc
+    from worker.engine.models.loader import resolve_model_path
 
     logs.setup()
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
     settings = Settings.from_env()
-    engine = Engine(args.model, engine_config(args))
-    freeze_gc()
-    r = engine.runner
-    logging.getLogger("fanout.worker").info(
-        "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
-        args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
-        r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
+    if is_embedding_model(resolve_model_path(args.model)):  # sentence-transformers' layout
+        engine = Embedder(args.model, engine_config(args))
+        freeze_gc()
+        logging.getLogger("fanout.worker").info(
+            "loaded %s on %s, %s: an embedding model (%s pooling, %d dimensions, inputs up to %d "
+            "tokens), batches of up to %d padded tokens", args.model, engine.device,
+            str(engine.dtype).removeprefix("torch."), engine.layout.pooling, engine.dim, engine.max_context,
+            engine.batch_tokens)
+    else:
+        engine = Engine(args.model, engine_config(args))
+        freeze_gc()
+        r = engine.runner
+        logging.getLogger("fanout.worker").info(
+            "loaded %s on %s, %s; KV cache %d tokens (%d pages of %d), %.0f MiB; up to %d requests at once",
+            args.model, r.device, str(r.dtype).removeprefix("torch."), r.kv_tokens,
+            r.kv_tokens // args.page_size, args.page_size, r.mem["kv"] / 2**20, args.max_running)
     os.environ["REDIS_URL"] = args.redis_url
     try:  # a worker that could not read its jobs' items stops here, before taking any
         blobs.same_store(redis_url.connect(args.redis_url), blobs.open_store(settings.storage_url))
@@ -215,7 +227,8 @@ def cmd_submit(args) -> None:
             info = client.status(job["id"])
             raise SystemExit(f"job {job['id']} {info['status']}: {info['error']}")
         if not args.stream:
-            batchfile.write_results(client.iter_results(job["id"]), args.out or sys.stdout)
+            batchfile.write_results(client.iter_results(job["id"]), args.out or sys.stdout,
+                                    body.get("task") == "embed")
 
 
 URLS = ("s3://", "file://")  # a dataset the API reads itself (api/dataset.py)
@@ -270,7 +283,7 @@ def cmd_results(args) -> None:
 
     with Client(args.url, api_key=args.api_key) as c:
         info = c.status(args.id)
-        batchfile.write_results(c.iter_results(args.id), args.out or sys.stdout)
+        batchfile.write_results(c.iter_results(args.id), args.out or sys.stdout, info.get("task") == "embed")
     if info["status"] not in events.TERMINAL:  # partial: say so, and exit so that scripts notice
         p = info["progress"]
         print(f"fanout results: job {args.id} is {info['status']}: {p['done']} of {p['total']} items "

@@ -255,7 +255,7 @@ def claim(redis, job: Job, queue: Queue, worker: str, ttl: int, on_pipe: Callabl
                 pipe.xadd(keys.stream(job_id), events.attempt(attempt, worker, k, lo, hi))
                 pipe.eval(_STARTED, 2, keys.info(job_id), keys.stream(job_id), attempt, progress.timestamp(),
                           job_id)
-                _release(redis, pipe, job_id, c, running + 1, info["priority"], job.timeout)
+                _release(redis, pipe, job_id, c, running + 1, queue_of(info), job.timeout)
                 pipe.execute()
             break
         except WatchError:
@@ -294,13 +294,18 @@ def _counters(raw: dict) -> dict[str, int]:
     return {_text(k): int(v) for k, v in raw.items()}
 
 
-def _release(redis, pipe, job_id: str, c: dict[str, int], running: int, priority: str, timeout) -> None:
+def queue_of(info: dict) -> str:
+    """The queue of a job's shards, from its (decoded) info: its task's, at its priority."""
+    return QUEUES[info.get("task") or "generate"][info.get("priority") or "normal"]
+
+
+def _release(redis, pipe, job_id: str, c: dict[str, int], running: int, queue: str, timeout) -> None:
     """Enqueue the next shards, in `pipe` (MULTI opened), until the job has `window`
     queued; `c`: the counters as read under WATCH, `running`: keys.running's length after
     this transaction."""
     released = c["released"]
     queued = released - running - c["ended"]
-    q = Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+    q = Queue(queue, connection=redis, serializer=JSONSerializer)
     while queued < c["window"] and released < c["total"]:
         q.enqueue_job(_rq_job(q, job_id, released, timeout), pipeline=pipe)
         released += 1
@@ -445,8 +450,9 @@ def drop_queued(redis, job_id: str) -> None:
     one meanwhile finds it gone and skips it."""
     released = counters(redis, job_id).get("released", 0)
     running = {int(k) for k in redis.hkeys(keys.running(job_id))}
-    priority = _text(redis.hget(keys.info(job_id), "priority")) or "normal"
-    q = Queue(QUEUES[priority], connection=redis, serializer=JSONSerializer)
+    task, priority = redis.hmget(keys.info(job_id), "task", "priority")
+    q = Queue(queue_of({"task": _text(task), "priority": _text(priority)}), connection=redis,
+              serializer=JSONSerializer)
     with redis.pipeline(transaction=False) as pipe:
         for k in range(released):
             if k not in running:

@@ -18,11 +18,25 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from worker.embedder.params import EmbedParams
 from worker.engine.sampling_params import SamplingParams, TokenId
 from worker.engine.tools import MAX_TOOLS, FunctionName
 
-QUEUES = {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"}
-QUEUE_ORDER = [QUEUES["high"], QUEUES["normal"], QUEUES["low"]]  # a worker takes from the first non-empty
+# A job's task: what kind of worker runs it. Each task has its own queues, by priority; a
+# worker takes from its task's, the first non-empty in QUEUE_ORDER's order.
+TASKS = ("generate", "embed")
+Task = Literal["generate", "embed"]
+QUEUES = {"generate": {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"},
+          "embed": {"high": "fanout-embed-high", "normal": "fanout-embed", "low": "fanout-embed-low"}}
+PRIORITIES = ("high", "normal", "low")
+
+
+def queue_order(task: str) -> list[str]:
+    return [QUEUES[task][p] for p in PRIORITIES]
+
+
+QUEUE_ORDER = queue_order("generate")
+ALL_QUEUES = [q for task in TASKS for q in queue_order(task)]
 JOB_FUNC = "worker.consumer.fanout_job"
 
 Kind = Literal["prompts", "input_ids", "messages"]
@@ -211,20 +225,26 @@ class JobInput(Strict):
 
 
 class JobSpec(JobInput):
-    """What a worker runs: the items, one SamplingParams per item, the job seed."""
+    """What a worker runs: the items, one SamplingParams per item, the job seed; its task,
+    and for an embedding job (task "embed": texts or token ids, n = 1) its EmbedParams."""
     sampling_params: list[SamplingParams]
     seed: int = Field(ge=0, lt=1 << 63)
+    task: Task = "generate"
+    embed: EmbedParams | None = None
 
     @model_validator(mode="after")
     def _one_per_item(self):
         if len(self.sampling_params) != self.size:
             raise ValueError(f"sampling_params: {len(self.sampling_params)} for {self.size} items")
+        if (self.embed is not None) != (self.task == "embed"):
+            raise ValueError("embed: the parameters of an embedding job (task embed), and only of one")
         return self
 
     def layout(self) -> tuple[list[str], str | None]:
         """(one JSON entry per item, the sampling parameters all items share as JSON or
         None). Defaults are left out: a 100,000-item job stays small. An entry is
-        {"x": item} plus "p": its sampling parameters when they are not shared."""
+        {"x": item} plus "p": its sampling parameters when they are not shared (none in an
+        embedding job's entries: they sample nothing)."""
         items = self.items  # texts and token ids are JSON as they are; chats are models
         if self.kind == "messages":
             items = self.model_dump(mode="json", include={self.kind})[self.kind]
@@ -243,7 +263,7 @@ class Shard(JobSpec):
 
     @classmethod
     def read(cls, kind: str, seed: int, shared: str | None, entries: str | bytes, custom_ids: list | None,
-             offset: int) -> "Shard":
+             offset: int, task: str = "generate", embed: str | None = None) -> "Shard":
         """The shard from the JSON array of its items' entries (JobSpec.layout) and its
         custom ids ("" for none; or, laid out by items.Builder, in the entries: "c")."""
         rows = json.loads(entries)
@@ -253,8 +273,9 @@ class Shard(JobSpec):
             custom_ids = [r.get("c") for r in rows]
         common = json.loads(shared) if shared is not None else None
         return cls.model_validate({
-            kind: [r["x"] for r in rows], "seed": seed, "offset": offset,
-            "sampling_params": [common if common is not None else r["p"] for r in rows],
+            kind: [r["x"] for r in rows], "seed": seed, "offset": offset, "task": task,
+            "embed": json.loads(embed) if embed is not None else None,
+            "sampling_params": [common if common is not None else r.get("p", {}) for r in rows],
             "custom_ids": [(c.decode() if isinstance(c, bytes) else c) or None for c in custom_ids]
             if custom_ids else None})
 

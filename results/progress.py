@@ -158,6 +158,7 @@ def decode(raw: dict) -> dict[str, Any]:
     out["items_in"] = d.get("items_in")  # "store": the job's items (and done shards' results) are in the blob store
     out["metadata"] = json.loads(d["metadata"]) if "metadata" in d else {}
     out["priority"] = d.get("priority", "normal")
+    out["task"] = d.get("task", "generate")
     out["error"] = d.get("error") or None
     out["errors"] = json.loads(d["errors"]) if "errors" in d else None  # a dataset's lines at fault
     out["run_at"] = d.get("run_at") or None

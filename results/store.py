@@ -7,7 +7,10 @@ The worker writes a record before it announces the sample on the stream, so
 """
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 from bisect import bisect_left, bisect_right
 from typing import Any
 
@@ -110,14 +113,15 @@ def _custom_ids(redis, blob_store, job_id: str, info: dict, k: int, lo: int, hi:
 def page(redis, blob_store, job_id: str, info: dict, offset: int, limit: int) -> list[dict[str, Any]]:
     """Items [offset, offset + limit) in index order, each with its custom_id (None without
     one) and its stored samples: from the results hash, or, for the shards kept in the blob
-    store (keep), from their objects there. `info`: the job's (progress.read)."""
+    store (keep), from their objects there. `info`: the job's (progress.read). An embedding
+    is a list of floats here (stored as base64: sample_record)."""
     ns = info["ns"]
     end = min(offset + limit, len(ns))
     if offset >= end:
         return []
     if info.get("items_in") != "store":
         custom = [c.decode() or None for c in redis.lrange(keys.custom_ids(job_id), offset, end - 1)]
-        return _from_redis(redis, job_id, ns, offset, end, custom)
+        return _vectors(_from_redis(redis, job_id, ns, offset, end, custom))
     bounds = info["bounds"]
     first = bisect_right(bounds, offset) - 1
     last = bisect_left(bounds, end)  # shards [first, last) hold the page
@@ -130,4 +134,20 @@ def page(redis, blob_store, job_id: str, info: dict, offset: int, limit: int) ->
             items += [it for it in _kept(blob_store, job_id, k) if lo <= it["index"] < hi]
         else:
             items += _from_redis(redis, job_id, ns, lo, hi, _custom_ids(redis, blob_store, job_id, info, k, lo, hi))
+    return _vectors(items)
+
+
+def vector(b64: str) -> list[float]:
+    """A stored embedding (base64 of little-endian float32) as floats."""
+    a = array.array("f", base64.b64decode(b64))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+def _vectors(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for item in items:
+        for s in item["samples"]:
+            if isinstance(s.get("embedding"), str):
+                s["embedding"] = vector(s["embedding"])
     return items

@@ -115,6 +115,11 @@ class Attempts:
             self.fail(a, f"bad job payload: {_one_line(e)}", retry=False, abort=False)
             return
         a.custom_ids = spec.custom_ids
+        task = spec.task
+        if task != self.engine.task:  # queues are per task (jobs/spec.py): only a meddled-with job
+            self.fail(a, f"a {task} job's shard reached a worker that runs {self.engine.task} jobs",
+                      retry=False, abort=False)
+            return
         JobLog(log, c.job_id).info("shard %d (items %d-%d), attempt %d, %d samples stored before",
                                    c.k, c.lo, c.hi - 1, c.attempt, len(c.stored))
         batch = Batch(self.connection)
@@ -139,7 +144,8 @@ class Attempts:
             return
         if todo:
             try:
-                self.engine.add(a.tag, todo, todo_params, seed=spec.seed, owner=c.job_id)
+                params = todo_params if task == "generate" else spec.embed
+                self.engine.add(a.tag, todo, params, seed=spec.seed, owner=c.job_id)
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return
@@ -201,7 +207,8 @@ class Attempts:
                 entries = None
         if entries is None:
             raise ValueError(f"the job's items {c.lo}-{c.hi - 1} are gone (the job expired?)")
-        return Shard.read(c.info["kind"], int(c.info["seed"]), c.info.get("params"), entries, custom, c.lo)
+        return Shard.read(c.info["kind"], int(c.info["seed"]), c.info.get("params"), entries, custom, c.lo,
+                          c.info.get("task") or "generate", c.info.get("embed"))
 
     def engine_item(self, kind: str, index: int, item: Any) -> tuple:
         """A job item -> the engine's (index, prompt, input_ids); ValueError fails the item."""

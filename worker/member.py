@@ -42,8 +42,9 @@ class Member(BaseWorker):
         self.engine = engine  # read for the model's entry and its tokenizer files
         self.model = model  # the name it serves under: GET /v1/models, a request's `model`, job status
         self._model_since = int(time.time())
-        # The image URL schemes its chats take, [] for a text model: the API's check of image parts.
-        self.image_schemes = engine.image_schemes()
+        # Its task, the image URL schemes its chats take ([] for a text model), its context,
+        # its tool format: the API's checks of a request (api/openai/models.py).
+        self.served = engine.served()
         self.heartbeat_ttl = settings.heartbeat_ttl
         self.heartbeat_s = settings.heartbeat_ttl / 3
         self._next_beat = 0.0
@@ -120,9 +121,7 @@ class Member(BaseWorker):
             for a in running:
                 a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
             pipe.hset(keys.models(), self.model, json.dumps(
-                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl,
-                 "images": self.image_schemes, "max_model_len": self.engine.max_context,
-                 "tools": self.engine.front.tool_format}))
+                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl, **self.served}))
             answers = pipe.execute()
         if answers[len(running)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:

@@ -29,7 +29,7 @@ from .. import jobs
 from ..lease import Lease, Lost
 from ..schemas import JobRequest
 from ..tenants import OverLimit
-from . import batchinput, bodies, files, models, responses
+from . import batchinput, bodies, embeddings, files, models, responses
 from .errors import OpenAIErrorResponse, OpenAIError, from_validation, not_found
 from .schemas import Batch, BatchCreate, BatchList
 
@@ -147,13 +147,13 @@ def create(body: BatchCreate, request: Request):
         try:
             # The job's own fields, checked as a native job's are (run_at after 1970).
             JobRequest(prompts=["-"], priority=body.priority, run_at=body.run_at, metadata=body.metadata or {})
-            served = {m: models.image_schemes(redis, m) or [] for m in models.served(redis)}
+            served = {m: (models.task(redis, m), models.image_schemes(redis, m) or []) for m in models.served(redis)}
             requests = batchinput.read(blobs.lines(files.content(redis, st.blobs, f["id"], tenant)), settings)
-            planned, model = batchinput.plan(requests, body.endpoint, served, builder)
+            planned, model, encoding = batchinput.plan(requests, body.endpoint, served, builder)
         except BaseException:
             builder.abandon()
             raise
-        _update(redis, batch_id, lambda r: {"model": model, "request_counts": {
+        _update(redis, batch_id, lambda r: {"model": model, "_encoding": encoding, "request_counts": {
             "total": len(planned.ns), "completed": 0, "failed": 0}}, settings.result_ttl)
         jobs.create(redis, planned, settings, body.priority, body.run_at, body.metadata or {}, job_id,
                     tenant=tenant)
@@ -351,7 +351,7 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
                 write(errors, "error", {**line, "response": {"status_code": 400, "request_id": request_id,
                                                              "body": body}, "error": None})
             elif len(samples) == ns[i]:
-                body = _body(endpoint, job_id, i, created, record["model"], samples)
+                body = _body(endpoint, job_id, i, created, record["model"], samples, record.get("_encoding"))
                 write(output, "output", {**line, "response": {"status_code": 200, "request_id": request_id,
                                                               "body": body}, "error": None})
                 answered.append(samples)
@@ -367,8 +367,11 @@ def _lines(redis, blob_store: blobs.Store, record: dict, ending: str, lease: Lea
                     "total_tokens": prompt + completion}
 
 
-def _body(endpoint: str, job_id: str, i: int, created: int, model: str, samples: list[dict]) -> dict:
-    """Line i's answer as its endpoint's response body."""
+def _body(endpoint: str, job_id: str, i: int, created: int, model: str, samples: list[dict],
+          encoding: str | None = None) -> dict:
+    """Line i's answer as its endpoint's response body (`encoding`: an embedding batch's)."""
+    if endpoint == "/v1/embeddings":
+        return embeddings.body(model, samples, encoding or "float")
     if endpoint == "/v1/responses":
         return responses.batch_body(f"resp_{job_id}_{i}", created, model, samples[0])
     if endpoint == "/v1/chat/completions":

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator, Literal
 from pydantic import ValidationError
 
 from jobs import items
+from worker.embedder.params import EmbedParams
 from worker.engine.sampling_params import SamplingParams
 from jobs.settings import Settings
 from jobs.spec import CustomId
@@ -21,11 +22,12 @@ from jobs.spec import CustomId
 from .. import jobs
 from ..unique import Seen
 from .errors import OpenAIError, param
-from . import responses
+from . import embeddings, responses
 from .schemas import ChatCompletionRequest, CompletionRequest, Endpoint, Strict, image_error, sampling_params
 
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-            "/v1/responses": responses.ResponseRequest}
+            "/v1/responses": responses.ResponseRequest, "/v1/embeddings": embeddings.EmbeddingRequest}
+TASKS = {"/v1/embeddings": "embed"}  # an endpoint's task (jobs.spec.TASKS): the others generate
 MAX_ERRORS = 20  # reported per file
 
 
@@ -41,8 +43,8 @@ class Request:
     line: int  # 1-based, as in errors.data[].line
     custom_id: str
     url: str
-    body: Any  # ChatCompletionRequest | CompletionRequest | ResponseRequest
-    params: SamplingParams
+    body: Any  # ChatCompletionRequest | CompletionRequest | ResponseRequest | EmbeddingRequest
+    params: SamplingParams | EmbedParams
 
 
 @dataclass(slots=True)
@@ -156,6 +158,9 @@ def native_line(obj: dict, settings: Settings) -> dict:
         body = REQUESTS[line.url].model_validate(line.body)
     except ValidationError as e:
         raise NotALine(_error(None, e, "body.")) from None
+    if line.url in TASKS:
+        raise NotALine(LineError(None, f"url {line.url}: not in a native job's dataset (POST /v1/batches runs "
+                                       "these files)", "url", "unsupported_endpoint"))
     try:
         p = _params(body, settings)
     except OpenAIError as e:
@@ -165,8 +170,15 @@ def native_line(obj: dict, settings: Settings) -> dict:
             "custom_id": line.custom_id}
 
 
-def _params(body, settings: Settings) -> SamplingParams:
-    """The line's sampling parameters; OpenAIError for what a line may not ask here."""
+def _params(body, settings: Settings) -> SamplingParams | EmbedParams:
+    """The line's sampling parameters (an embedding line's EmbedParams); OpenAIError for what
+    a line may not ask here."""
+    if isinstance(body, embeddings.EmbeddingRequest):
+        x = body.input
+        if isinstance(x, list) and not isinstance(x[0], int) and len(x) > 1:
+            raise OpenAIError(400, f"input: one input per line in a batch (a text or a list of token ids), "
+                                   f"not {len(x)}", "input")
+        return body.params()
     if body.stream:
         raise OpenAIError(400, "stream: not in a batch (its lines stream on the job's events)", "stream")
     if isinstance(body, responses.ResponseRequest):
@@ -183,16 +195,20 @@ def _params(body, settings: Settings) -> SamplingParams:
     return sampling_params(body, settings)
 
 
-def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]],
-         builder: items.Builder) -> tuple["jobs.Planned", str]:
+def plan(requests: Iterable[Request], endpoint: str, served: dict[str, tuple[str, list[str]]],
+         builder: items.Builder) -> tuple["jobs.Planned", str, str | None]:
     """The native job of a batch, one item per line, laid out by `builder` (into the blob
-    store) as the lines come: (the job, its model). Raises Invalid when a line does not fit
-    the batch (another url, a model not served, mixed kinds of prompt, an image its model's
-    workers cannot take). `served`: each served model -> the image URL schemes its workers
-    take ([] for a text model). Each line keeps its own sampling parameters; the job seed
-    is new (a line's own `seed` still fixes its samples)."""
+    store) as the lines come: (the job, its model, an embedding batch's encoding_format).
+    Raises Invalid when a line does not fit the batch (another url, a model not served or
+    served for another task, mixed kinds of prompt, an image its model's workers cannot
+    take; in an embedding batch, parameters other than the first line's). `served`: each
+    served model -> (its task, the image URL schemes its workers take: [] for a text
+    model). Each line keeps its own sampling parameters; the job seed is new (a line's own
+    `seed` still fixes its samples). An embedding batch is one embedding job: its lines
+    share dimensions, truncation and encoding (the first line's)."""
     errors, model, kind = [], None, None
     tokens = 0
+    task, first = TASKS.get(endpoint, "generate"), None
     for r in requests:
         model = model or r.body.model
         error = _misfit(r, endpoint, served, model)
@@ -201,6 +217,13 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]
             if len(errors) >= MAX_ERRORS:
                 break
             continue
+        if task == "embed":
+            first = first or r
+            if (r.params, r.body.encoding_format) != (first.params, first.body.encoding_format):
+                errors.append(LineError(r.line, "every line of an embedding batch asks the same dimensions, "
+                                                "truncate_prompt_tokens and encoding_format (as the first line)",
+                                        "body", "mismatched_parameters"))
+                continue
         if errors:
             continue  # checked on, but nothing more written
         item, its_kind = _item(r)
@@ -209,13 +232,18 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, list[str]
                                      "body.prompt", "mixed_prompts")])
         kind = its_kind
         p = r.params
+        if task == "embed":  # the job's EmbedParams, no sampling parameters
+            builder.add(json.dumps({"x": item}, separators=(",", ":")), 1, r.custom_id)
+            continue
         builder.add(json.dumps({"x": item, "p": p.model_dump(mode="json", exclude_defaults=True)},
                                separators=(",", ":")), p.n, r.custom_id)
         tokens += p.n * p.max_new_tokens
     if errors:
         raise Invalid(errors)
     # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
-    return jobs.Planned(kind, builder.ns, tokens, random.getrandbits(63), None, builder.finish()), model
+    planned = jobs.Planned(kind, builder.ns, tokens, random.getrandbits(63), None, builder.finish(), task,
+                           first.params if first else None)
+    return planned, model, first.body.encoding_format if first else None
 
 
 def _misfit(r: Request, endpoint: str, served: dict[str, list[str]], model: str) -> LineError | None:
@@ -224,8 +252,11 @@ def _misfit(r: Request, endpoint: str, served: dict[str, list[str]], model: str)
     if r.body.model not in served:
         return LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)", "body.model",
                          "model_not_found")
-    if endpoint == "/v1/chat/completions" and (bad := image_error(r.body.messages, r.body.model,
-                                                                  served[r.body.model])):
+    task, schemes = served[r.body.model]
+    if task != TASKS.get(endpoint, "generate"):
+        return LineError(r.line, f"model {r.body.model!r} is {'an embedding' if task == 'embed' else 'a text'} "
+                                 f"model: not for {endpoint}", "body.model", "model_not_supported")
+    if endpoint == "/v1/chat/completions" and (bad := image_error(r.body.messages, r.body.model, schemes)):
         return LineError(r.line, f"body.{bad[1]}", f"body.{bad[0]}", "unsupported_parameter")
     if r.body.model != model:
         return LineError(r.line, f"every line must name the same model (the first names {model!r})",
@@ -239,4 +270,8 @@ def _item(r: Request) -> tuple[Any, str]:
         return [m.job_message().model_dump(mode="json") for m in r.body.messages], "messages"
     if r.url == "/v1/responses":
         return responses.chat_of(r.body, []), "messages"
+    if r.url == "/v1/embeddings":
+        x = r.body.input
+        x = x[0] if isinstance(x, list) and not isinstance(x[0], int) else x  # a list of one input
+        return x, "prompts" if isinstance(x, str) else "input_ids"
     return r.body.prompt, "prompts" if isinstance(r.body.prompt, str) else "input_ids"

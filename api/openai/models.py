@@ -9,6 +9,7 @@ import time
 from fastapi import APIRouter, Request
 
 from results import keys
+from worker.embedder.params import dimensions_error
 
 from .errors import OpenAIError, not_found
 from .schemas import ChatMessage, Model, ModelList, image_error
@@ -27,11 +28,21 @@ def served(redis) -> dict[str, dict]:
     return out
 
 
-def require(redis, name: str) -> None:
-    """OpenAIError 404 unless a live worker serves `name`."""
+ROUTES = {"generate": "/v1/chat/completions, /v1/completions, /v1/responses or /v1/messages",
+          "embed": "/v1/embeddings"}
+
+
+def require(redis, name: str, task: str | None = "generate") -> None:
+    """OpenAIError 404 unless a live worker serves `name`; 400 when it serves it for another
+    task (an embedding model asked for text, or the other way round; None: any task)."""
     if name not in served(redis):
         raise OpenAIError(404, f"The model '{name}' does not exist or no worker serves it now (GET /v1/models "
                                "lists the served ones)", param="model", code="model_not_found")
+    has = (_announced(redis, name) or {}).get("task", "generate")
+    if task is not None and has != task:
+        kind = "an embedding model" if has == "embed" else "a text generation model"
+        raise OpenAIError(400, f"The model '{name}' is {kind}: use it with {ROUTES[has]}", param="model",
+                          code="model_not_supported")
 
 
 def _announced(redis, name: str) -> dict | None:
@@ -39,6 +50,12 @@ def _announced(redis, name: str) -> dict | None:
     worker serves it."""
     raw = redis.hget(keys.models(), name)
     return None if raw is None else json.loads(raw)
+
+
+def task(redis, name: str) -> str | None:
+    """The task `name`'s workers run (jobs.spec.TASKS), None when no worker serves it."""
+    entry = _announced(redis, name)
+    return None if entry is None else entry.get("task", "generate")
 
 
 def image_schemes(redis, name: str) -> list[str] | None:
@@ -49,6 +66,15 @@ def image_schemes(redis, name: str) -> list[str] | None:
         return None
     schemes = entry.get("images")
     return schemes if isinstance(schemes, list) else []
+
+
+def require_dimensions(redis, name: str, dimensions: int | None) -> None:
+    """OpenAIError 400 unless `name`'s vectors come in `dimensions` (None: its own)."""
+    entry = _announced(redis, name)
+    if entry is not None and dimensions is not None:
+        why = dimensions_error(dimensions, entry.get("dimensions") or 0, entry.get("matryoshka"))
+        if why is not None:
+            raise OpenAIError(400, f"dimensions: {why}", param="dimensions", code="unsupported_value")
 
 
 def require_tool_format(redis, name: str) -> None:

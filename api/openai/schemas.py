@@ -342,7 +342,7 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
 
 
 class BatchCreate(Strict):

@@ -34,7 +34,7 @@ from worker.engine.models.loader import resolve_dtype, resolve_model_path
 
 from . import layout as layouts
 from .bert import Bert
-from .params import EmbedParams
+from .params import EmbedParams, dimensions_error
 
 log = logging.getLogger("fanout.embedder")
 
@@ -86,7 +86,8 @@ class Embedder:
     def served(self) -> dict:
         """The model's entry among the served models (keys.models), beside created/expires."""
         return {"task": self.task, "images": [], "max_model_len": self.max_context, "tools": None,
-                "dimensions": self.dim, "matryoshka": self.layout.matryoshka is not None}
+                "dimensions": self.dim,
+                "matryoshka": list(self.layout.matryoshka) if self.layout.matryoshka is not None else None}
 
     def image_schemes(self) -> list[str]:
         return []
@@ -116,15 +117,8 @@ class Embedder:
         return 0
 
     def check(self, params: EmbedParams) -> None:
-        d = params.dimensions
-        if d is None:
-            return
-        m = self.layout.matryoshka
-        if m is None:
-            raise ValueError(f"dimensions: this model was not trained for shorter vectors; it gives {self.dim}")
-        if d > self.dim or (m and d not in m):
-            sizes = ", ".join(map(str, m)) if m else f"1 to {self.dim}"
-            raise ValueError(f"dimensions: {d} is not one this model gives ({sizes})")
+        if (why := dimensions_error(params.dimensions, self.dim, self.layout.matryoshka)) is not None:
+            raise ValueError(f"dimensions: {why}")
 
     def _limit(self, params: EmbedParams) -> int:
         t = params.truncate_prompt_tokens

@@ -25,3 +25,16 @@ class EmbedParams(BaseModel):
         if v == 0:
             raise ValueError("0 keeps nothing: give -1 (the model's longest) or a positive count")
         return v
+
+
+def dimensions_error(d: int | None, dim: int, matryoshka) -> str | None:
+    """Why a model of `dim` dimensions, trained for the `matryoshka` sizes (() any, None
+    none), cannot give vectors of `d` (None: it can)."""
+    if d is None or d == dim:
+        return None
+    if matryoshka is None:
+        return f"this model was not trained for shorter vectors; it gives {dim}"
+    if d > dim or (matryoshka and d not in matryoshka):
+        sizes = ", ".join(map(str, matryoshka)) if matryoshka else f"1 to {dim}"
+        return f"{d} is not one this model gives ({sizes})"
+    return None

@@ -69,6 +69,8 @@ class EngineStats:
 
 
 class Engine:
+    task = "generate"  # the kind of jobs it runs (jobs/spec.py TASKS); worker.embedder's is "embed"
+
     def __init__(self, model: str, config: EngineConfig | None = None, **options):
         """`config`, or its fields as keywords (`Engine(path, device="cuda", kv_tokens=...)`)."""
         if config is not None and options:
@@ -109,6 +111,12 @@ class Engine:
         requests of several owners share the slots fairly (a worker's owner is the job, whose
         shards are tags). Returns the job seed."""
         return self.front.add(tag, items, sampling_params, seed, sink, owner)
+
+    def served(self) -> dict:
+        """The model's entry among the served models (keys.models), beside created/expires:
+        what the API checks a request against."""
+        return {"task": self.task, "images": self.image_schemes(), "max_model_len": self.max_context,
+                "tools": self.front.tool_format}
 
     def image_schemes(self) -> list[str]:
         """The image URL schemes chats may use ([] for a text model)."""
