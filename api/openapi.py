@@ -10,8 +10,10 @@ from jobs.settings import Settings
 
 from .openai import models
 
-# Example bodies by (path, method); MODEL becomes a served model's name.
+# Example bodies by (path, method); MODEL becomes the name of a served model of the path's
+# task (TASKS; the others generate).
 MODEL = "<model>"
+TASKS = {"/v1/embeddings": "embed"}
 EXAMPLES = {
     "/v1/jobs": {"prompts": ["Write a haiku about the sea.", "Name three rivers."],
                  "sampling_params": {"max_new_tokens": 32, "temperature": 0.7, "n": 2, "seed": 42}},
@@ -23,6 +25,7 @@ EXAMPLES = {
     "/detokenize": {"model": MODEL, "tokens": [72, 101, 108]},
     "/v1/batches": {"input_file_id": "file-<id from POST /v1/files>", "endpoint": "/v1/chat/completions",
                     "completion_window": "24h"},
+    "/v1/embeddings": {"model": MODEL, "input": ["The cat sits on the mat.", "Embeddings map text to vectors."]},
     "/v1/messages": {"model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "Hello! Who are you?"}]},
     "/v1/messages/batches": {"requests": [
         {"custom_id": f"q{i}", "params": {"model": MODEL, "max_tokens": 16,
@@ -63,12 +66,14 @@ def build(app, settings: Settings, redis) -> dict:
         limits(base, settings)
     spec = copy.deepcopy(app.openapi_schema)
     try:
-        served = sorted(models.served(redis))
+        served = {}  # task -> its first served model
+        for name in sorted(models.served(redis)):
+            served.setdefault(models.task(redis, name), name)
     except Exception:  # Redis away: the examples name no model, the rest is as it is
-        served = []
+        served = {}
     for path, body in EXAMPLES.items():
         op = spec["paths"][path]["post"]
-        if served:  # wherever the body names a model
-            body = json.loads(json.dumps(body).replace(json.dumps(MODEL), json.dumps(served[0])))
+        if (name := served.get(TASKS.get(path, "generate"))) is not None:  # wherever the body names a model
+            body = json.loads(json.dumps(body).replace(json.dumps(MODEL), json.dumps(name)))
         op["requestBody"]["content"]["application/json"]["example"] = body
     return spec

@@ -55,11 +55,12 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return torch.nn.functional.cosine_similarity(a.double(), b.double()).tolist()
 
 
-def test_vectors_equal_sentence_transformers_on_minilm(minilm):
-    e = Embedder(minilm, max_prefill_tokens=512)  # small batches: several, of mixed lengths
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vectors_equal_sentence_transformers_on_minilm(minilm, dtype):
+    e = Embedder(minilm, max_prefill_tokens=512, dtype=dtype)  # small batches: several, of mixed lengths
     got = e.embed(TEXTS[:-1])
-    assert got.shape == (5, 384)
-    assert min(cosines(got, reference(minilm, TEXTS[:-1]))) >= 0.9999
+    assert got.shape == (5, 384) and got.dtype == torch.float32
+    assert min(cosines(got, reference(minilm, TEXTS[:-1]))) >= (0.9999999 if dtype == "float32" else 0.9999)
     assert torch.allclose(got.norm(dim=-1), torch.ones(5), atol=1e-5)
 
 
@@ -113,3 +114,18 @@ def test_abort_drops_an_owner_s_inputs(minilm):
     while e.has_work():
         events += e.step()
     assert [(ev.tag, ev.index) for ev in events] == [(b, 0)]
+
+
+def test_the_benchmark_runs_and_its_vectors_agree(minilm):
+    """bench/embed.py, small: its rounds report both rates and vectors that agree."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "embed.py"), "--inputs", "48",
+                          "--rounds", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
+    head, round0, summary = map(json.loads, out.strip().splitlines())
+    assert head["inputs"] == 48 and head["tokens"] > 48
+    ours = {"fanout float32", "fanout bfloat16"}
+    assert set(round0["inputs_per_s"]) == ours | {"sentence-transformers"}
+    assert set(round0["min_cosine"]) == ours and min(round0["min_cosine"].values()) >= 0.9999
+    assert summary["ratios"] == {k: [v] for k, v in round0["ratio"].items()}

@@ -154,13 +154,13 @@ def native_line(obj: dict, settings: Settings) -> dict:
         line = Line.model_validate(obj)
     except ValidationError as e:
         raise NotALine(_error(None, e, "")) from None
+    if line.url in TASKS:
+        raise NotALine(LineError(None, f"url {line.url}: not in a native job's dataset (POST /v1/batches runs "
+                                       "these files)", "url", "unsupported_endpoint"))
     try:
         body = REQUESTS[line.url].model_validate(line.body)
     except ValidationError as e:
         raise NotALine(_error(None, e, "body.")) from None
-    if line.url in TASKS:
-        raise NotALine(LineError(None, f"url {line.url}: not in a native job's dataset (POST /v1/batches runs "
-                                       "these files)", "url", "unsupported_endpoint"))
     try:
         p = _params(body, settings)
     except OpenAIError as e:

@@ -163,3 +163,11 @@ def test_the_embeddings_route_refuses_a_generation_model(api_url, worker):
         with pytest.raises(openai.BadRequestError) as e:
             c.embeddings.create(model="llama", input="hi")
     assert e.value.body["code"] == "model_not_supported" and "a text generation model" in e.value.body["message"]
+
+
+def test_the_openapi_example_names_the_embedding_model_and_runs(served):
+    spec = httpx.get(served + "/openapi.json").json()
+    example = spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["example"]
+    assert example["model"] == NAME
+    r = httpx.post(served + "/v1/embeddings", json=example, timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"]) == len(example["input"])
