@@ -4,6 +4,16 @@ demo model), the same inputs, in one process, taking turns (each runs first in t
 
     python bench/embed.py                      # 10,000 inputs, 3 rounds
     python bench/embed.py --inputs 2000 --rounds 1
+    python bench/embed.py --service            # the same inputs as an OpenAI batch, end to end
+
+With --service, the inputs go through the live service instead: a Redis, the API and one
+worker of the model (processes of their own, both cores), a batch file of one
+`/v1/embeddings` line per input uploaded and run (POST /v1/batches), polled to `completed`
+and its output file read back; its tokens/s are from the batch's creation to its completion
+(upload, validation, queueing, Redis and the output file included). sentence-transformers
+encodes the same inputs in this process while the service is idle, before and after the
+batch (their mean is the ratio's base), and every vector of the output is compared with its
+own.
 
 The inputs are sentences of 4 to 160 words drawn (seeded) from the model's vocabulary, so
 their lengths spread as a corpus's do; past 256 tokens both truncate (truncate_prompt_tokens
@@ -15,10 +25,12 @@ sentence-transformers'). Prints one JSON line per round and a summary with the m
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,10 +62,13 @@ def main() -> None:
                                                                    "(--max-prefill-tokens; its default)")
     ap.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch_size "
                                                                   "(its default: 32)")
+    ap.add_argument("--service", action="store_true", help="an OpenAI batch through the live service")
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
 
     path = fetch_embedding_model()
+    if args.service:
+        return service(args, path, SentenceTransformer(path, device="cpu"))
     st = SentenceTransformer(path, device="cpu")
     runners = {f"fanout {d}": Embedder(path, max_prefill_tokens=args.batch_tokens, dtype=d)
                for d in ("float32", "bfloat16")}
@@ -90,6 +105,82 @@ def main() -> None:
         print(json.dumps(line), flush=True)
     print(json.dumps({"median_ratio": {who: round(statistics.median(x), 3) for who, x in ratios.items()},
                       "ratios": {who: [round(v, 3) for v in x] for who, x in ratios.items()}}))
+
+
+def service(args, path: str, st) -> None:
+    import tempfile
+
+    import httpx
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from cli.redis_server import EmbeddedRedis, free_port
+
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = corpus(tok, args.inputs, seed=0)
+    tokens = sum(min(len(ids), 256) for ids in tok(texts)["input_ids"])
+    lines = "".join(json.dumps({"custom_id": f"i{i}", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"model": "minilm", "input": t, "truncate_prompt_tokens": -1,
+                                         "encoding_format": "base64"}}) + "\n" for i, t in enumerate(texts))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tempfile.mkdtemp(prefix="fanout-bench-embed-")
+    redis_server = EmbeddedRedis()
+    env = {**os.environ, "REDIS_URL": redis_server.url, "PYTHONPATH": root,
+           "FANOUT_STORAGE_URL": f"file://{work}/blobs"}
+    port = free_port()
+    me = [sys.executable, "-m", "cli.main"]
+    with open(os.path.join(work, "service.log"), "ab") as logs:
+        procs = [subprocess.Popen(me + cmd, cwd=root, env=env, stdout=logs, stderr=subprocess.STDOUT) for cmd in (
+            ["api", "--port", str(port)],
+            ["worker", "--model", path, "--served-model-name", "minilm", "--device", "cpu",
+             "--max-prefill-tokens", str(args.batch_tokens)])]
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if http.get("/v1/models").json().get("data"):
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"the service did not start: see {work}/service.log"
+                time.sleep(0.2)
+            seconds = []
+            t = time.perf_counter()
+            ref = st.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True).cpu()
+            seconds.append(time.perf_counter() - t)
+            file_id = http.post("/v1/files", files={"file": ("e.jsonl", lines.encode())},
+                                data={"purpose": "batch"}).json()["id"]
+            t = time.perf_counter()
+            b = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/embeddings",
+                                               "completion_window": "24h"}).json()
+            while b["status"] not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(0.2)
+                b = http.get(f"/v1/batches/{b['id']}").json()
+            batch_s = time.perf_counter() - t
+            assert b["status"] == "completed" and b["request_counts"]["completed"] == len(texts), b
+            out = {}
+            for line in http.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines():
+                x = json.loads(line)
+                out[x["custom_id"]] = np.frombuffer(base64.b64decode(x["response"]["body"]["data"][0]["embedding"]), "<f4")
+            got = torch.from_numpy(np.stack([out[f"i{i}"] for i in range(len(texts))]))
+            t = time.perf_counter()
+            st.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
+            seconds.append(time.perf_counter() - t)
+        finally:
+            http.close()
+            for p in procs:
+                p.terminate()
+                p.wait(60)
+            redis_server.stop()
+    st_s = statistics.mean(seconds)
+    cos = torch.nn.functional.cosine_similarity(got.double(), ref.double())
+    print(json.dumps({"inputs": len(texts), "tokens": tokens, "batch_s": round(batch_s, 1),
+                      "batch_tokens_per_s": round(tokens / batch_s),
+                      "sentence_transformers_s": [round(x, 1) for x in seconds],
+                      "sentence_transformers_tokens_per_s": round(tokens / st_s),
+                      "ratio": round(st_s / batch_s, 3), "min_cosine": round(cos.min().item(), 6),
+                      "below_0.9999": int((cos < 0.9999).sum())}))
 
 
 if __name__ == "__main__":

@@ -129,3 +129,50 @@ def test_the_benchmark_runs_and_its_vectors_agree(minilm):
     assert set(round0["inputs_per_s"]) == ours | {"sentence-transformers"}
     assert set(round0["min_cosine"]) == ours and min(round0["min_cosine"].values()) >= 0.9999
     assert summary["ratios"] == {k: [v] for k, v in round0["ratio"].items()}
+
+
+@pytest.fixture(scope="module")
+def decoder_embedder(tmp_path_factory) -> str:
+    """A Qwen3-Embedding-style model: a random-weight Qwen3 saved as the base model alone
+    (AutoModel's weight names, no lm_head), last-token pooling, normalized, its tokenizer
+    ending every input with <|eos|> as Qwen3-Embedding's does."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoModel, AutoTokenizer
+
+    from worker.engine.models.tiny import build_tiny_model
+    root = tmp_path_factory.mktemp("decoder")
+    lm = build_tiny_model(str(root / "lm"), arch="qwen3", tie_word_embeddings=True)
+    dst = root / "qwen3-embed"
+    AutoModel.from_pretrained(lm).save_pretrained(dst)
+    tok = AutoTokenizer.from_pretrained(lm)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|bos|>", "<|eos|>")}
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|bos|> $A <|eos|>", pair="<|bos|> $A <|eos|> $B <|eos|>", special_tokens=list(ids.items()))
+    tok.save_pretrained(dst)
+    (dst / "1_Pooling").mkdir()
+    (dst / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                              "pooling_mode_lasttoken": True}))
+    (dst / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    (dst / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    return str(dst)
+
+
+def test_a_decoder_embedding_model_equals_sentence_transformers(decoder_embedder):
+    texts = ["hello world", "a longer input, of several words, than the others here", "x"]
+    e = Embedder(decoder_embedder)
+    assert e.layout.pooling == "last" and e.dim == 64
+    got = e.embed(texts)
+    assert e.tokenizer(texts[0])["input_ids"][-1] == e.tokenizer.convert_tokens_to_ids("<|eos|>")
+    assert min(cosines(got, reference(decoder_embedder, texts))) >= 0.9999
+
+
+def test_a_sliding_window_shorter_than_the_inputs_is_refused(decoder_embedder, tmp_path):
+    path = tmp_path / "windowed"
+    shutil.copytree(decoder_embedder, path)
+    c = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**c, "sliding_window": 16, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match="sliding_window 16 is shorter than the inputs taken"):
+        Embedder(str(path))

@@ -8,15 +8,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# package -> the top-level modules it may not import ("worker" means the worker process:
-# worker.engine is allowed where "worker.engine" is not listed)
+# package -> the top-level modules it may not import ("worker" means the worker process: the
+# engines, worker.engine and worker.embedder, are allowed where "worker" is forbidden but
+# they are not; worker.embedder may use worker.engine's parts, not the other way round)
 FORBIDDEN = {
     "api": {"worker", "cli"},
     "results": {"worker", "cli", "api", "jobs"},
     "jobs": {"worker", "cli", "api"},
     "worker": {"cli", "api"},
     "worker/engine": {"worker", "cli", "api", "jobs", "results"},
+    "worker/embedder": {"worker", "cli", "api", "jobs", "results"},
 }
+ENGINES = ("worker.engine", "worker.embedder")
 
 
 def imports(path: str) -> list[tuple[int, str]]:
@@ -43,15 +46,16 @@ def broken(package: str, path: str, module: str) -> bool:
     top = module.split(".")[0]
     if top not in FORBIDDEN[package]:
         return False
-    if top == "worker" and package != "worker/engine":
-        return not (module == "worker.engine" or module.startswith("worker.engine."))
+    allowed = {"worker/engine": (), "worker/embedder": ("worker.engine", "worker.embedder")}.get(package, ENGINES)
+    if top == "worker":
+        return not any(module == e or module.startswith(e + ".") for e in allowed)
     return True
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_follow_the_layout(package):
     bad = [f"{os.path.relpath(p, ROOT)}:{line}: {m}" for p in files(package)
-           if not (package == "worker" and os.sep + "engine" + os.sep in p)
+           if not (package == "worker" and any(os.sep + e + os.sep in p for e in ("engine", "embedder")))
            for line, m in imports(p) if broken(package, p, m)]
     assert not bad, "\n".join(bad)
 
@@ -69,7 +73,7 @@ def test_no_class_of_the_worker_process_has_two_bases_of_the_project():
     own = set()
     trees = {}
     for p in files("worker"):
-        if os.sep + "engine" + os.sep not in p:
+        if os.sep + "engine" + os.sep not in p and os.sep + "embedder" + os.sep not in p:
             trees[p] = ast.parse(open(p).read(), p)
             own |= {n.name for n in ast.walk(trees[p]) if isinstance(n, ast.ClassDef)}
     assert {"Consumer", "Member", "Attempts", "Link"} <= own

@@ -1,5 +1,5 @@
-"""The embedder: inputs -> tokens -> padded batches of similar lengths -> encoder -> pooled,
-normalized vectors, one final Event per input. No KV cache, no sampling, no decode: one
+"""The embedder: inputs -> tokens -> padded batches of similar lengths -> encoder (BERT's,
+bert.py, or a decoder's, decoder.py) -> pooled, normalized vectors, one final Event per input. No KV cache, no sampling, no decode: one
 forward per batch, and every input finishes in the step that runs it.
 
 The worker drives it as it drives the generation engine (worker/attempts.py, publish.py):
@@ -34,6 +34,7 @@ from worker.engine.models.loader import resolve_dtype, resolve_model_path
 
 from . import layout as layouts
 from .bert import Bert
+from .decoder import Decoder
 from .params import EmbedParams, dimensions_error
 
 log = logging.getLogger("fanout.embedder")
@@ -63,11 +64,13 @@ class Embedder:
             mc = json.load(f)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
-        self.encoder = Bert.load(path, mc, self.device, self.dtype)
-        self.dim = mc["hidden_size"]
-        self.vocab_size = mc["vocab_size"]
+        # BERT's encoder, or a causal LM of the engine's registry (decoder.py)
         self.max_context = self.layout.max_tokens
         self.batch_tokens = max(cfg.max_prefill_tokens, self.max_context)
+        self.encoder = Bert.load(path, mc, self.device, self.dtype, self.batch_tokens) \
+            if mc.get("model_type") == "bert" else Decoder(path, mc, self.device, self.dtype, self.max_context)
+        self.dim = mc["hidden_size"]
+        self.vocab_size = mc["vocab_size"]
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(path)  # shared for /tokenize (member.py)
         # Its fast tokenizer, without the padding and truncation tokenizer.json may switch on.

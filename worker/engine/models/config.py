@@ -276,6 +276,10 @@ class ModelConfig:
 def _architecture(raw: dict) -> str:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else (by_model_type(raw.get("model_type")) or raw.get("model_type"))
+    if arch.endswith("Model") and arch.removesuffix("Model") + "ForCausalLM" in ARCHITECTURES:
+        # A base model's checkpoint (AutoModel's: an embedding model's, loader.load_model's
+        # base_only) is its causal LM's without the lm_head.
+        arch = arch.removesuffix("Model") + "ForCausalLM"
     try:
         architecture(arch)
     except ValueError as e:

@@ -56,15 +56,21 @@ def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str, dtype="auto", device="cpu") -> tuple[nn.Module, ModelConfig]:
+def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False) -> tuple[nn.Module, ModelConfig]:
+    """`base_only`: the transformer without its lm_head (an embedding model's hidden states:
+    its checkpoint may hold the base model alone, under AutoModel's names, no "model.")."""
     path = resolve_model_path(path)
     with _checkpoint(path) as (cfg, tensors):
         dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
         arch = architecture(cfg.architecture)
         if arch.renames:
             tensors = {arch.rename(k): f for k, f in tensors.items()}
+        elif base_only and not any(k.startswith("model.") for k in tensors):
+            tensors = {"model." + k: f for k, f in tensors.items()}
         with torch.device("meta"):
             model = arch.model_class(cfg, device=device)
+        if base_only and hasattr(model, "lm_head"):
+            del model.lm_head
         expected = model.state_dict()  # meta tensors: names and shapes only
         missing = sorted({src for name in expected for src in arch.checkpoint_names(name)
                           if src not in tensors})
