@@ -109,6 +109,7 @@ def main() -> None:
 
 def service(args, path: str, st) -> None:
     import tempfile
+    from datetime import datetime
 
     import httpx
     import numpy as np
@@ -159,6 +160,11 @@ def service(args, path: str, st) -> None:
                 b = http.get(f"/v1/batches/{b['id']}").json()
             batch_s = time.perf_counter() - t
             assert b["status"] == "completed" and b["request_counts"]["completed"] == len(texts), b
+            job = http.get(f"/v1/jobs/{b['id'].removeprefix('batch_')}").json()
+            stages = {"validating_s": b["in_progress_at"] - b["created_at"],  # whole seconds, as OpenAI's
+                      "job_s": round(datetime.fromisoformat(job["ended_at"]).timestamp()
+                                     - datetime.fromisoformat(job["started_at"]).timestamp(), 1),
+                      "finalizing_s": b["completed_at"] - b["finalizing_at"]}
             out = {}
             for line in http.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines():
                 x = json.loads(line)
@@ -175,7 +181,7 @@ def service(args, path: str, st) -> None:
             redis_server.stop()
     st_s = statistics.mean(seconds)
     cos = torch.nn.functional.cosine_similarity(got.double(), ref.double())
-    print(json.dumps({"inputs": len(texts), "tokens": tokens, "batch_s": round(batch_s, 1),
+    print(json.dumps({"inputs": len(texts), "tokens": tokens, "batch_s": round(batch_s, 1), **stages,
                       "batch_tokens_per_s": round(tokens / batch_s),
                       "sentence_transformers_s": [round(x, 1) for x in seconds],
                       "sentence_transformers_tokens_per_s": round(tokens / st_s),

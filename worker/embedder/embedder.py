@@ -230,7 +230,7 @@ class Embedder:
         return bool(self.waiting or self.done)
 
     def has_room(self) -> bool:
-        return sum(len(x.ids) for x in self.waiting) < 4 * self.batch_tokens
+        return sum(len(x.ids) for x in self.waiting) < 16 * self.batch_tokens
 
     def has_room_for_owner(self) -> bool:
         return False  # the waiting line is short (has_room): a job's shard soon gets its turn
