@@ -9,7 +9,7 @@ add / step / abort / has_work / has_room / stats, `tokenizer` (shared for the AP
 Batching: the oldest waiting input anchors each batch (no input waits behind later ones for
 long), and the waiting inputs nearest its length fill the batch up to `max_prefill_tokens`
 padded tokens, so little of a batch is padding. The waiting line is kept short by
-`has_room` (the worker takes a shard only when fewer than four batches' worth wait), which is
+`has_room` (the worker takes a shard only when fewer than 16 batches' worth wait), which is
 also what keeps jobs fair: a job's shard never waits behind more than that.
 
 Invariant: an input is in `waiting` until the step that runs it, then its event is in
