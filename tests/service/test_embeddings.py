@@ -7,7 +7,6 @@ vector column); /v1/embeddings as a batch endpoint; generation and embedding mod
 refused on the other's routes."""
 import io
 import json
-import time
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ import torch
 
 from cli.redis_server import EmbeddedRedis
 from conftest import WorkerProc, start_api, wait_for
+from test_openai_batch import jsonl, wait
 from worker.engine.models import demo
 
 NAME = "minilm"
@@ -133,13 +133,10 @@ def test_an_embeddings_batch(oai, reference):
                 "body": {"model": NAME, "input": x, "encoding_format": "base64"}}
 
     lines = [line(f"t{i}", t) for i, t in enumerate(TEXTS)] + [line("long", LONG)]
-    f = oai.files.create(file=("e.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    f = oai.files.create(file=("e.jsonl", jsonl(lines)), purpose="batch")
     b = oai.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while b.status != "completed":
-        assert b.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, b
-        time.sleep(0.2)
-        b = oai.batches.retrieve(b.id)
+    b = wait(oai, b.id, ("completed", "failed", "expired", "cancelled"))
+    assert b.status == "completed", b
     assert (b.request_counts.completed, b.request_counts.failed) == (4, 1)
     out = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, oai.files.content(b.output_file_id).text.splitlines())}
     import numpy as np
@@ -150,11 +147,9 @@ def test_an_embeddings_batch(oai, reference):
     [err] = map(json.loads, oai.files.content(b.error_file_id).text.splitlines())
     assert err["custom_id"] == "long" and "302 tokens" in err["response"]["body"]["error"]["message"]
     mixed = [line("a", "x"), {**line("b", "y"), "body": {"model": NAME, "input": "y", "dimensions": 64}}]
-    f = oai.files.create(file=("m.jsonl", "".join(json.dumps(x) + "\n" for x in mixed).encode()), purpose="batch")
+    f = oai.files.create(file=("m.jsonl", jsonl(mixed)), purpose="batch")
     b = oai.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
-    while b.status == "validating":
-        time.sleep(0.2)
-        b = oai.batches.retrieve(b.id)
+    b = wait(oai, b.id, ("failed", "in_progress", "completed"))
     assert b.status == "failed" and b.errors.data[0].code == "mismatched_parameters" and b.errors.data[0].line == 2
 
 

@@ -3,13 +3,13 @@
 .parse (a pydantic model, decoded under its schema), a function call continued through
 previous_response_id, stored responses, errors, and /v1/responses as a batch endpoint."""
 import json
-import time
 
 import openai
 import pytest
 from openai.types.responses import Response
 from pydantic import BaseModel, Field
 
+from test_openai_batch import jsonl, wait
 from worker.engine import SamplingParams
 
 
@@ -103,13 +103,10 @@ def test_a_responses_batch_gives_the_engines_answers(oai, engine):
                       max_output_tokens=100))
     lines.append(line("json", input="A city.", text={"format": {"type": "json_schema", "name": "city",
                                                                 "schema": WEATHER}}, max_output_tokens=100))
-    f = oai.files.create(file=("r.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    f = oai.files.create(file=("r.jsonl", jsonl(lines)), purpose="batch")
     b = oai.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while b.status != "completed":
-        assert b.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, b
-        time.sleep(0.2)
-        b = oai.batches.retrieve(b.id)
+    b = wait(oai, b.id, ("completed", "failed", "expired", "cancelled"))
+    assert b.status == "completed", b
     assert b.request_counts.completed == 4 and b.error_file_id is None
     out = {x["custom_id"]: x["response"] for x in map(json.loads, oai.files.content(b.output_file_id).text.splitlines())}
     for i, t in enumerate(texts):
