@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from swagger_ui_bundle import swagger_ui_path
 
+from jobs import models as fleet
 from jobs import redis_url, unavailable
 from jobs.settings import Settings
 from results import blobs, keys
@@ -50,6 +51,7 @@ def _retry(cls=Retry):
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings.from_env()
+    fleet.configured()  # a malformed FANOUT_MODELS stops the API at start, not each request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -9,7 +9,8 @@
 
 Each entry has a `name`, a `cron` expression (local time) or an `interval` in seconds, and
 either `job` (a POST /v1/jobs body) or `file` (a JSONL batch file, read again at every run,
-relative to the config); optionally a `tenant` (an API key's id, `fanout keys list`) whose
+relative to the config); optionally the `model` a `file` entry's runs go to (a `job` names its
+own; either way, optional while the fleet serves one model) and a `tenant` (an API key's id, `fanout keys list`) whose
 job each run is: that key sees it, and its rights and limits apply. rq's CronScheduler does
 the timing, heartbeats and bookkeeping (`rq cron` monitoring sees it); each run is submitted
 like a POST, JSON payload and all. A run that cannot be submitted (the file became invalid,
@@ -29,9 +30,10 @@ from rq.defaults import DEFAULT_CRON_JOB_HISTORY_LIMIT, DEFAULT_CRON_JOB_HISTORY
 
 from starlette.exceptions import HTTPException
 
+from jobs import models as fleet
 from jobs import redis_url
 from jobs.settings import Settings
-from jobs.spec import JOB_FUNC, PRIORITIES, QUEUES
+from jobs.spec import JOB_FUNC, PRIORITIES, queue_name
 from results import blobs
 
 from . import batchfile, jobs, tenants
@@ -44,18 +46,19 @@ class SubmitJob(CronJob):
     """A cron entry that submits a Fanout job instead of enqueueing a Python call."""
 
     def __init__(self, name: str, entry: dict, base_dir: str, settings: Settings):
-        super().__init__(queue_name=QUEUES["generate"][entry.get("priority", "normal")], func_name=JOB_FUNC,
-                         name=name, cron=entry.get("cron"), interval=entry.get("interval"))
         self.entry, self.base_dir, self.settings = entry, base_dir, settings
-        self.request()  # fail at load, not at 2 am
+        req = self.request()  # fail at load, not at 2 am
+        # rq's bookkeeping names a queue; the runs go to their model's (resolved at each run).
+        super().__init__(queue_name=queue_name(req.model or "(the fleet's model)", req.priority), func_name=JOB_FUNC,
+                         name=name, cron=entry.get("cron"), interval=entry.get("interval"))
 
     def request(self) -> JobRequest:
         e = self.entry
         if "job" in e:
             return JobRequest.model_validate(e["job"])
         path = os.path.join(self.base_dir, e["file"])
-        return JobRequest.model_validate(batchfile.job_body(
-            path, e.get("sampling_params"), priority=e.get("priority", "normal")))
+        body = batchfile.job_body(path, e.get("sampling_params"), priority=e.get("priority", "normal"))
+        return JobRequest.model_validate({**body, **({"model": e["model"]} if "model" in e else {})})
 
     def tenant(self, connection) -> tenants.Tenant | None:
         """The entry's tenant, looked up afresh (ValueError: unknown or revoked)."""
@@ -72,7 +75,8 @@ class SubmitJob(CronJob):
         try:
             created = jobs.submit(connection, self.request(), self.settings, tenant=self.tenant(connection),
                                   store=blobs.open_store(self.settings.storage_url))
-        except (ValueError, OSError, tenants.OverLimit, HTTPException, blobs.StoreError) as e:  # pydantic's too
+        except (ValueError, OSError, tenants.OverLimit, HTTPException, blobs.StoreError,
+                fleet.ModelError) as e:  # pydantic's too
             log.error("cron job %s: this run is skipped: %s", self.name, getattr(e, "detail", e))
             return None
         with connection.pipeline() as pipe:
@@ -106,13 +110,15 @@ def load(path: str, connection, settings: Settings) -> Scheduler:
         if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not e["name"]:
             raise ValueError(f"{where}.name: a non-empty string is required")
         where += f" ({e['name']})"
-        unknown = set(e) - {"name", "cron", "interval", "job", "file", "sampling_params", "priority", "tenant"}
+        unknown = set(e) - {"name", "cron", "interval", "job", "file", "sampling_params", "priority", "tenant", "model"}
         if unknown:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         if ("job" in e) == ("file" in e):
             raise ValueError(f"{where}: give exactly one of job, file")
         if e.get("priority", "normal") not in PRIORITIES:
             raise ValueError(f"{where}.priority: one of {sorted(PRIORITIES)}")
+        if "model" in e and ("file" not in e or not isinstance(e["model"], str)):
+            raise ValueError(f"{where}.model: a served model's name, with `file` (a `job` names its own)")
         if "tenant" in e and not isinstance(e["tenant"], str):
             raise ValueError(f"{where}.tenant: an API key id (a string; fanout keys list)")
         try:

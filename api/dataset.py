@@ -231,4 +231,4 @@ def plan(records: Iterable[tuple[int, bytes | dict | BatchFileError]], req: JobR
     if errors:
         raise RequestValidationError(errors)
     # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
-    return jobs.Planned(kind, builder.ns, tokens, seed, None, builder.finish())
+    return jobs.Planned(kind, builder.ns, tokens, seed, None, builder.finish(), model=req.model)

@@ -1,8 +1,9 @@
 """Jobs in Redis: submit, look up, cancel. Used by the API routes and the cron scheduler;
 the queue names and the item layout are in jobs.spec, the shards in jobs.shards.
 
-Queues by priority: the worker always takes from `fanout-high` first, then `fanout`, then
-`fanout-low`. A job's shards are rq jobs that call `worker.consumer.fanout_job` with the job
+Queues by model and priority (jobs.spec.queues): a job runs on the model it names, resolved
+when it is submitted (jobs/models.py), and its model's workers take from its `high` queue
+first, then `normal`, then `low`. A job's shards are rq jobs that call `worker.consumer.fanout_job` with the job
 id and the shard number; the Fanout worker runs them in its engine (rq's fork-per-job path
 is not used). A job's status is its own (the info hash's `state`, and the terminal status
 once closed), not any rq job's.
@@ -25,8 +26,9 @@ from results import blobs, events, keys, progress, publisher
 from results import listing as results_listing
 
 from jobs import items, shards
+from jobs import models as fleet
 from jobs.settings import Settings
-from jobs.spec import QUEUES, JobSpec
+from jobs.spec import JobSpec, queue_name
 from worker.embedder.params import EmbedParams
 
 from .lease import Lost
@@ -37,8 +39,8 @@ class JobNotFound(KeyError):
     pass
 
 
-def queue(redis, priority: str = "normal", task: str = "generate") -> Queue:
-    return Queue(QUEUES[task][priority], connection=redis, serializer=JSONSerializer)
+def queue(redis, model: str, priority: str = "normal") -> Queue:
+    return Queue(queue_name(model, priority), connection=redis, serializer=JSONSerializer)
 
 
 def new_id() -> str:
@@ -94,23 +96,31 @@ class Planned:
     seed: int
     custom_ids: list[str | None] | None
     lay: items.Layout
-    task: str = "generate"  # jobs.spec.TASKS: the queues its shards go to
+    task: str = "generate"  # jobs.spec.TASKS: what kind of worker runs it
     embed: EmbedParams | None = None  # an embedding job's parameters
+    model: str = ""  # the served name it runs on: its shards go to that model's queues
 
     @classmethod
-    def of(cls, spec: JobSpec, settings: Settings) -> "Planned":
+    def of(cls, spec: JobSpec, settings: Settings, model: str) -> "Planned":
         return cls(spec.kind, progress.Ns.of(p.n for p in spec.sampling_params),
                    sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
-                   items.layout(spec, settings), spec.task, spec.embed)
+                   items.layout(spec, settings), spec.task, spec.embed, model)
+
+
+def model_of(redis, req: JobRequest) -> str:
+    """The model a request's job runs on: the one it names, or the fleet's one model of its
+    task. Raises jobs.models.ModelError (unknown, another task's, or none named among several)."""
+    return fleet.resolve(redis, req.model, req.task).name
 
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
            spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None,
            tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
-    """create() for a request: `spec` is req.spec() unless given. With a blob `store`, items
-    over FANOUT_ITEMS_STORE_BYTES go there first (StoreError if it cannot take them)."""
-    return create(redis, Planned.of(spec or req.spec(), settings), settings, req.priority, req.run_at,
-                  req.metadata, job_id, idempotency, tenant, store)
+    """create() for a request: `spec` is req.spec() unless given; its model resolved
+    (model_of). With a blob `store`, items over FANOUT_ITEMS_STORE_BYTES go there first
+    (StoreError if it cannot take them)."""
+    return create(redis, Planned.of(spec or req.spec(), settings, model_of(redis, req)), settings, req.priority,
+                  req.run_at, req.metadata, job_id, idempotency, tenant, store)
 
 
 class Closed(Exception):
@@ -130,6 +140,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
     (api/validation.py): the job exists, `validating`, and is filled in here, while that
     lease is held (lease.Lost if not) and the job was not canceled (Closed); it took its
     in-flight slot when its validation started. Returns the JobCreated body."""
+    if not planned.model:
+        raise ValueError("a job runs on a model: Planned.model is empty")
     job_id = job_id or new_id()
     lay, ns, size = planned.lay, planned.ns, len(planned.ns)
     in_store = lay.chunks is None or (store is not None and lay.size > settings.items_store_bytes)
@@ -142,10 +154,10 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             run_at = run_at.replace(microsecond=0) + timedelta(seconds=1)
         status = "scheduled" if run_at else "queued"
         wait = max(0, int((run_at - datetime.now(timezone.utc)).total_seconds())) if run_at else 0
-        q = queue(redis, priority, planned.task)
+        q = queue(redis, planned.model, priority)
         info = {"total": size, "samples": ns.samples, "ns": ns.encode(), "seed": planned.seed,
                 "priority": priority, "metadata": json.dumps(metadata or {}), "state": status,
-                "created_at": progress.timestamp(), "task": planned.task}
+                "created_at": progress.timestamp(), "task": planned.task, "model": planned.model}
         if planned.embed is not None:
             info["embed"] = planned.embed.model_dump_json(exclude_none=True)
         if run_at:
@@ -277,11 +289,17 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "progress": {k: info[k] for k in ("total", "done", "failed", "samples", "samples_done")},
         "usage": {k: info[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")},
         "error": error, "errors": info["errors"], "seed": info["seed"], "attempt": info["attempt"], "metadata": info["metadata"],
-        "model": info["model"], "stream": keys.stream(job_id), "run_at": info["run_at"],
+        "model": info["model"], "waiting": waiting(redis, info["model"]) if status == "queued" else None,
+        "stream": keys.stream(job_id), "run_at": info["run_at"],
         "created_at": times["created_at"], "started_at": times["started_at"], "ended_at": times["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
         "shards": shard_counts(redis, job_id, status),
     }
+
+
+def waiting(redis, model: str | None) -> str | None:
+    """Why a queued job does not run yet, when it is for want of a worker serving its model."""
+    return None if model is None else fleet.waiting(fleet.get(redis, model), model)
 
 
 def shard_counts(redis, job_id: str, status: str) -> dict[str, Any]:

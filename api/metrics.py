@@ -20,7 +20,8 @@ from rq import Queue
 from starlette.routing import compile_path
 
 from jobs import logs
-from jobs.spec import ALL_QUEUES
+from jobs import models as fleet
+from jobs.spec import PRIORITIES, queue_name
 
 REQUESTS = Counter("fanout_api_requests", "HTTP requests by method, route template and status code",
                    ["method", "route", "status"])
@@ -90,10 +91,12 @@ class Jobs:
         self.conn = conn
 
     def collect(self):
-        queues = [Queue(name, connection=self.conn) for name in ALL_QUEUES]
         try:
+            # Every known model's queues (jobs/models.py): one that waits for its workers too.
+            queues = [(m, p, Queue(queue_name(m, p), connection=self.conn))
+                      for m in sorted(fleet.read(self.conn)) for p in PRIORITIES]
             with self.conn.pipeline(transaction=False) as pipe:
-                for q in queues:
+                for _, _, q in queues:
                     pipe.llen(q.key)
                     for reg in (q.scheduled_job_registry, q.started_job_registry):
                         pipe.zcard(reg.key)
@@ -111,12 +114,13 @@ class Jobs:
                                 value=memory["used_memory"])
         yield GaugeMetricFamily("fanout_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)",
                                 value=memory.get("maxmemory", 0))
-        jobs = GaugeMetricFamily("fanout_shards", "Shards of jobs in Redis by rq queue and status (status "
-                                 "queued: the queue's length)", labels=["queue", "status"])
+        jobs = GaugeMetricFamily("fanout_shards", "Shards of jobs in Redis by rq queue (a model's, at a "
+                                 "priority) and status (status queued: the queue's length)",
+                                 labels=["queue", "model", "priority", "status"])
         per_queue = 1 + len(self.STATUSES)
-        for i, q in enumerate(queues):
+        for i, (model, priority, q) in enumerate(queues):
             for status, n in zip(("queued",) + self.STATUSES, counts[i * per_queue:(i + 1) * per_queue]):
-                jobs.add_metric([q.name, status], n)
+                jobs.add_metric([q.name, model, priority, status], n)
         yield jobs
 
 

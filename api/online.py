@@ -34,15 +34,15 @@ class Online:
     entries: AsyncIterator[dict]  # the job's stream entries (closing it cancels the job)
 
 
-async def start(request: Request, items: dict, params: SamplingParams | EmbedParams, metadata: dict,
+async def start(request: Request, model: str, items: dict, params: SamplingParams | EmbedParams, metadata: dict,
                 disconnect: bool = True) -> Online:
-    """Submit the job (`items`: JobInput's fields; an embedding job's with EmbedParams) and
+    """Submit the job on `model` (`items`: JobInput's fields; an embedding job's with EmbedParams) and
     follow its stream. `disconnect`: end (and cancel) when the client goes away (a streamed
     response is ended by Starlette)."""
     st, tenant = request.app.state, request.state.tenant
     may_pass = tenant is None or tenant.may_use_high_priority  # a key's rights hold here too
     how = {"task": "embed", "embed": params} if isinstance(params, EmbedParams) else {"sampling_params": params}
-    job = JobRequest(**items, **how, priority="high" if may_pass else "normal", metadata=metadata)
+    job = JobRequest(**items, **how, priority="high" if may_pass else "normal", metadata=metadata, model=model)
     # The stream is followed before the job exists: past FANOUT_MAX_STREAMS no job is made.
     job_id = jobs.new_id()
     follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))

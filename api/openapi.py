@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 import json
 
+from jobs import models as fleet
 from jobs.settings import Settings
 
-from .openai import models
 
 # Example bodies by (path, method); MODEL becomes the name of a served model of the path's
 # task (TASKS; the others generate).
@@ -67,8 +67,8 @@ def build(app, settings: Settings, redis) -> dict:
     spec = copy.deepcopy(app.openapi_schema)
     try:
         served = {}  # task -> its first served model
-        for name in sorted(models.served(redis)):
-            served.setdefault(models.task(redis, name), name)
+        for name, m in sorted(fleet.live(redis).items()):
+            served.setdefault(m.task, name)
     except Exception:  # Redis away: the examples name no model, the rest is as it is
         served = {}
     for path, body in EXAMPLES.items():

@@ -51,6 +51,9 @@ class JobRequest(JobInput):
         "generate (the default): samples of text; embed: one vector per item (`prompts` or "
         "`input_ids`), on the workers of an embedding model, with `embed` instead of sampling_params"))
     embed: EmbedParams | None = Field(None, description="an embedding job's parameters (task embed)")
+    model: str | None = Field(None, min_length=1, max_length=256, description=(
+        "the served model to run on (GET /v1/models); optional while the fleet serves one model of the "
+        "job's task. A model whose workers are away (or still loading) takes the job, which waits queued"))
 
     @property
     def input(self) -> str | None:
@@ -165,7 +168,9 @@ class JobInfo(BaseModel):
     attempt: int = Field(description="1 + the retries of its shards so far (a shard resumed after "
                                      "its worker died or handed it back counts one); 0 before any started")
     metadata: dict[str, str]
-    model: str | None = Field(description="the model of the worker that ran it (null until one starts it)")
+    model: str | None = Field(description="the model it runs on")
+    waiting: str | None = Field(None, description=(
+        "a queued job's reason not to run yet when no live worker serves its model (null otherwise)"))
     stream: str
     run_at: str | None
     created_at: str | None

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
+from jobs import models as fleet
 from results import events, keys, progress, store
 
 from . import dataset, jobs, streams, validation
@@ -62,8 +63,10 @@ def _replay(redis, stored: dict, body_hash: str) -> dict:
 
 
 @router.post("/jobs", status_code=202, response_model=JobCreated, responses={
-    400: {"model": ErrorOut, "description": "the body is not UTF-8 (FastAPI cannot decode it)"},
+    400: {"model": ErrorOut, "description": "the body is not UTF-8 (FastAPI cannot decode it), or `model` is missing "
+                                           "while the fleet serves several models, or is another task's"},
     403: {"model": ErrorOut, "description": "`priority: high` without the right (`fanout keys create --high-priority`)"},
+    404: {"model": ErrorOut, "description": "`model` names no model of the fleet (the detail lists the served ones)"},
     409: {"model": ErrorOut, "description": "Idempotency-Key reused with a different body"},
 })
 def submit(req: JobRequest, request: Request, response: Response,
@@ -74,6 +77,10 @@ def submit(req: JobRequest, request: Request, response: Response,
     are checked and laid out, then queued (or failed, naming the lines at fault). The job
     runs when a worker takes it."""
     st, tenant = _state(request), request.state.tenant
+    try:
+        req = req.model_copy(update={"model": jobs.model_of(st.redis, req)})
+    except fleet.ModelError as e:
+        raise HTTPException(e.status, e.message) from None
     f = _dataset_file(st, req, tenant) if req.input_file_id is not None else None
     idempotency = None
     if idempotency_key is not None:

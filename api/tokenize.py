@@ -19,11 +19,11 @@ import anyio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, model_validator
 
+from jobs import models as fleet
+from jobs.spec import Strict
 from results import keys
 from worker.engine.sampling_params import TokenId
-from jobs.spec import Strict
 
-from .openai import models
 from .openai.errors import OpenAIError
 from .openai.schemas import ChatMessage
 
@@ -69,24 +69,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def model_named(redis, model: str | None) -> str:
-    """`model`, or when it is None the one model the fleet serves (a 400 naming `model` when
-    it serves several, a 404 when none)."""
-    if model is not None:
-        models.require(redis, model, task=None)
-        return model
-    names = sorted(models.served(redis))
-    if len(names) == 1:
-        return names[0]
-    if not names:
-        raise OpenAIError(404, "no worker serves a model now", param="model", code="model_not_found")
-    raise OpenAIError(400, f"model: required when the fleet serves several models ({', '.join(names)})",
-                      param="model", code="missing_required_parameter")
+def model_named(redis, model: str | None):
+    """The known model `model` names, or when it is None the one model the fleet knows (a 400
+    naming `model` when it knows several, a 404 when none): a jobs.models.Model."""
+    try:
+        return fleet.resolve(redis, model, None)
+    except fleet.ModelError as e:
+        code = "missing_required_parameter" if e.code == "model_required" else e.code
+        raise OpenAIError(e.status, e.message, param="model", code=code) from None
 
 
 def tokenizer(redis, model: str):
     """The model's tokenizer and its lock (a tokenizer is not used by two threads at once)."""
-    models.require(redis, model, task=None)
     digest = redis.hget(keys.tokenizer(model), "digest")
     if digest is None:
         raise OpenAIError(503, f"the workers of {model!r} have not published their tokenizer yet",
@@ -116,7 +110,7 @@ def _load(redis, model: str):
 
 def _tokenize(redis, req: TokenizeRequest) -> dict:
     model = model_named(redis, req.model)
-    tok, lock = tokenizer(redis, model)
+    tok, lock = tokenizer(redis, model.name)
     with lock:
         if req.prompt is not None:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"]
@@ -132,12 +126,12 @@ def _tokenize(redis, req: TokenizeRequest) -> dict:
                 raise OpenAIError(400, f"chat template failed: {e}", param="messages") from None
             ids = tok(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"]
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": models.served(redis)[model]["max_model_len"], "tokens": ids,
+    return {"count": len(ids), "max_model_len": model.entry.get("max_model_len"), "tokens": ids,
             "token_strs": strs}
 
 
 def _detokenize(redis, req: DetokenizeRequest) -> dict:
-    tok, lock = tokenizer(redis, model_named(redis, req.model))
+    tok, lock = tokenizer(redis, model_named(redis, req.model).name)
     size = len(tok)
     for i, t in enumerate(req.tokens):
         if t >= size:
@@ -151,12 +145,12 @@ def _info(redis, model: str | None) -> dict:
     """What a client needs to tokenize as the engine does (lm-eval's remote tokenizer reads
     it): the tokenizer's class, special tokens and chat template."""
     model = model_named(redis, model)
-    tok, lock = tokenizer(redis, model)
+    tok, lock = tokenizer(redis, model.name)
     with lock:
-        return {"tokenizer_class": type(tok).__name__, "model": model,
+        return {"tokenizer_class": type(tok).__name__, "model": model.name,
                 **{f"{name}_token": getattr(tok, f"{name}_token") for name in ("bos", "eos", "pad", "unk")},
                 "chat_template": getattr(tok, "chat_template", None), "vocab_size": len(tok),
-                "model_max_length": models.served(redis)[model]["max_model_len"],
+                "model_max_length": model.entry.get("max_model_len"),
                 "add_bos_token": getattr(tok, "add_bos_token", None)}
 
 

@@ -51,7 +51,7 @@ def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> di
     listed = keys.jobs(tenant.id if tenant else None)
     info = {"state": "validating", "total": 0, "samples": 0, "seed": seed, "priority": req.priority,
             "metadata": json.dumps(req.metadata or {}), "created_at": progress.timestamp(), "listed": listed,
-            "request": req.model_dump_json(exclude_none=True)}
+            "model": req.model, "request": req.model_dump_json(exclude_none=True)}
     if tenant:
         info.update(tenant=tenant.id, slot=keys.inflight(tenant.id))
     lasts = settings.job_timeout + settings.result_ttl

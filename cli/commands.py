@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from api import batchfile, tenants
-from jobs import logs, redis_url
+from jobs import logs, models, redis_url
 from jobs.settings import Settings
 from results import blobs, events
 from cli.flags import ENGINE_OPTIONS, ENV, WORKER_OPTIONS, engine_config, forward, sampling_from_args
@@ -111,7 +111,13 @@ def cmd_worker(args) -> None:
     if not args.model:
         raise SystemExit("fanout worker: --model (or FANOUT_MODEL) is required")
     settings = Settings.from_env()
-    if is_embedding_model(resolve_model_path(args.model)):  # sentence-transformers' layout
+    name = args.served_model_name or served_name(args.model)
+    embedding = is_embedding_model(resolve_model_path(args.model))  # sentence-transformers' layout
+    try:  # jobs for the model are taken (and wait, queued) while it loads
+        models.announce_loading(redis_url.connect(args.redis_url), name, "embed" if embedding else "generate")
+    except redis.RedisError as e:
+        logging.getLogger("fanout.worker").warning("cannot announce %s as loading: %s", name, e)
+    if embedding:
         engine = Embedder(args.model, engine_config(args))
         freeze_gc()
         logging.getLogger("fanout.worker").info(
@@ -135,7 +141,7 @@ def cmd_worker(args) -> None:
     consumer = Consumer(engine, redis_url.connect(args.redis_url), settings,
                         name=args.name or worker_name(), drain_timeout=args.drain_timeout,
                         delta_interval=args.delta_interval,
-                        model=args.served_model_name or served_name(args.model))
+                        model=name)
     logging.getLogger("fanout.worker").info("worker %s: its jobs' readers see it as %s", consumer.name,
                                             events.worker_ref(consumer.name))
     if args.metrics_port is not None:

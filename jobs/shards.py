@@ -48,7 +48,7 @@ from results import events, keys, listing, progress, publisher, store
 
 from .items import Layout
 from .settings import Settings
-from .spec import JOB_FUNC, QUEUES
+from .spec import JOB_FUNC, queue_name
 from .unavailable import REDIS_DOWN
 
 RPUSH_CHUNK = 10_000  # shards' item arrays per RPUSH
@@ -295,8 +295,8 @@ def _counters(raw: dict) -> dict[str, int]:
 
 
 def queue_of(info: dict) -> str:
-    """The queue of a job's shards, from its (decoded) info: its task's, at its priority."""
-    return QUEUES[info.get("task") or "generate"][info.get("priority") or "normal"]
+    """The queue of a job's shards, from its (decoded) info: its model's, at its priority."""
+    return queue_name(info["model"], info.get("priority") or "normal")
 
 
 def _release(redis, pipe, job_id: str, c: dict[str, int], running: int, queue: str, timeout) -> None:
@@ -450,8 +450,10 @@ def drop_queued(redis, job_id: str) -> None:
     one meanwhile finds it gone and skips it."""
     released = counters(redis, job_id).get("released", 0)
     running = {int(k) for k in redis.hkeys(keys.running(job_id))}
-    task, priority = redis.hmget(keys.info(job_id), "task", "priority")
-    q = Queue(queue_of({"task": _text(task), "priority": _text(priority)}), connection=redis,
+    model, priority = redis.hmget(keys.info(job_id), "model", "priority")
+    if model is None:  # never queued: a dataset job canceled while validating
+        return
+    q = Queue(queue_of({"model": _text(model), "priority": _text(priority)}), connection=redis,
               serializer=JSONSerializer)
     with redis.pipeline(transaction=False) as pipe:
         for k in range(released):

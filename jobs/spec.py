@@ -22,21 +22,23 @@ from worker.embedder.params import EmbedParams
 from worker.engine.sampling_params import SamplingParams, TokenId
 from worker.engine.tools import MAX_TOOLS, FunctionName
 
-# A job's task: what kind of worker runs it. Each task has its own queues, by priority; a
-# worker takes from its task's, the first non-empty in QUEUE_ORDER's order.
+# A job's task: what kind of worker runs it (a model has one: jobs/models.py).
 TASKS = ("generate", "embed")
 Task = Literal["generate", "embed"]
-QUEUES = {"generate": {"high": "fanout-high", "normal": "fanout", "low": "fanout-low"},
-          "embed": {"high": "fanout-embed-high", "normal": "fanout-embed", "low": "fanout-embed-low"}}
 PRIORITIES = ("high", "normal", "low")
 
 
-def queue_order(task: str) -> list[str]:
-    return [QUEUES[task][p] for p in PRIORITIES]
+def queue_name(model: str, priority: str) -> str:
+    """The rq queue of a model's shards at one priority: every worker serving the model
+    takes from its model's queues alone, high first (queues)."""
+    return f"fanout:{model}:{priority}"
 
 
-QUEUE_ORDER = queue_order("generate")
-ALL_QUEUES = [q for task in TASKS for q in queue_order(task)]
+def queues(model: str) -> list[str]:
+    """A model's queues, in the order its workers take from them."""
+    return [queue_name(model, p) for p in PRIORITIES]
+
+
 JOB_FUNC = "worker.consumer.fanout_job"
 
 Kind = Literal["prompts", "input_ids", "messages"]

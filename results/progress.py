@@ -162,7 +162,7 @@ def decode(raw: dict) -> dict[str, Any]:
     out["error"] = d.get("error") or None
     out["errors"] = json.loads(d["errors"]) if "errors" in d else None  # a dataset's lines at fault
     out["run_at"] = d.get("run_at") or None
-    out["model"] = d.get("model") or None  # the worker's, written when it starts the job
+    out["model"] = d.get("model") or None  # the model it runs on, fixed when it was submitted
     return out
 
 

@@ -116,14 +116,13 @@ class Attempts:
             return
         a.custom_ids = spec.custom_ids
         task = spec.task
-        if task != self.engine.task:  # queues are per task (jobs/spec.py): only a meddled-with job
+        if task != self.engine.task:  # queues are per model (jobs/spec.py): only a meddled-with job
             self.fail(a, f"a {task} job's shard reached a worker that runs {self.engine.task} jobs",
                       retry=False, abort=False)
             return
         JobLog(log, c.job_id).info("shard %d (items %d-%d), attempt %d, %d samples stored before",
                                    c.k, c.lo, c.hi - 1, c.attempt, len(c.stored))
         batch = Batch(self.connection)
-        batch.info(c.job_id, model=m.model)
         batch.expire(c.job_id, self.settings.job_timeout + self.settings.result_ttl)
         todo, todo_params = [], []
         for local, (item, p) in enumerate(zip(spec.items, spec.sampling_params)):

@@ -44,7 +44,7 @@ import traceback
 from rq.worker import WorkerStatus
 
 from jobs.settings import Settings
-from jobs.spec import queue_order
+from jobs.spec import queues as model_queues
 from jobs.unavailable import REDIS_DOWN
 
 from .admission import Admission
@@ -73,7 +73,7 @@ class Consumer:
         no_retries(connection)  # before Member: rq's scheduler copies the connection's settings
         self.engine = engine
         self.drain = Drain(drain_timeout)
-        self.member = Member(queues or queue_order(engine.task), connection, settings, engine, model, name=name)
+        self.member = Member(queues or model_queues(model), connection, settings, engine, model, name=name)
         self.name = self.member.name
         self.metrics = WorkerMetrics(self.name)
         self.link = Link(connection, self.name, self.metrics, self.drain, on_back=self.member.beat_soon,

@@ -1,7 +1,8 @@
 """This process as a member of the fleet: an rq worker (registration, state, its heartbeat,
 rq's registry maintenance and scheduler of delayed jobs) that also heartbeats the
 executions of the shards it runs and its model's entry among the served models
-(keys.models: GET /v1/models, and the API's checks of a request's model, images and tools).
+(jobs/models.py: GET /v1/models, and the API's checks of a request's model, images and tools).
+It takes shards from its model's queues alone (jobs.spec.queues).
 
 rq's `BaseWorker` lives here alone: the Fanout worker uses its registration and
 bookkeeping but not its fork-per-job loop (`execute_job` refuses), so the rest of the
@@ -14,7 +15,6 @@ it, and at once after an outage (`beat_soon`).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -27,6 +27,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
+from jobs import models
 from jobs.settings import Settings
 from jobs.unavailable import REDIS_DOWN
 from results import keys
@@ -120,8 +121,7 @@ class Member(BaseWorker):
             self.heartbeat(pipeline=pipe)
             for a in running:
                 a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
-            pipe.hset(keys.models(), self.model, json.dumps(
-                {"created": self._model_since, "expires": time.time() + self.heartbeat_ttl, **self.served}))
+            models.announce(pipe, self.model, self._model_since, self.heartbeat_ttl, self.served)
             answers = pipe.execute()
         if answers[len(running)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:

@@ -141,7 +141,7 @@ def _create(request: Request, body: MessageBatchCreate) -> dict:
     # The record first: a batch whose job was refused (a limit) is never listed, its record expires.
     st.redis.set(keys.message_batch(job_id), json.dumps(record), ex=st.settings.result_ttl)
     jobs.submit(st.redis, JobRequest(messages=chats, custom_ids=[r.custom_id for r in reqs], sampling_params=params,
-                                     metadata={"anthropic_batch": record["id"]}),
+                                     metadata={"anthropic_batch": record["id"]}, model=model),
                 st.settings, job_id=job_id, tenant=tenant, store=st.blobs)
     listing = keys.message_batches(record["tenant"])
     st.redis.zadd(listing, {record["id"]: time.time()})  # newest first, to the microsecond

@@ -51,7 +51,7 @@ async def create(req: MessagesRequest, request: Request):
     """A message: the model's answer to the conversation (`stream: true`: Anthropic's events)."""
     items, params = await prepare(request, req)
     metadata = {"user": req.metadata.user_id} if req.metadata and req.metadata.user_id else {}
-    job = await online.start(request, items, params, metadata, disconnect=not req.stream)
+    job = await online.start(request, req.model, items, params, metadata, disconnect=not req.stream)
     msg_id = "msg_" + job.job_id
     try:
         if not req.stream:

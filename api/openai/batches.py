@@ -23,13 +23,14 @@ from redis.exceptions import WatchError
 
 from results import blobs, keys, progress, store
 from jobs import items
+from jobs import models as fleet
 from jobs.settings import Settings
 
 from .. import jobs
 from ..lease import Lease, Lost
 from ..schemas import JobRequest
 from ..tenants import OverLimit
-from . import batchinput, bodies, embeddings, files, models, responses
+from . import batchinput, bodies, embeddings, files, responses
 from .errors import OpenAIErrorResponse, OpenAIError, from_validation, not_found
 from .schemas import Batch, BatchCreate, BatchList
 
@@ -101,7 +102,19 @@ def public(redis, record: dict) -> dict:
         if info:
             obj["request_counts"] = {"total": info["total"], "completed": info["done"] - info["failed"],
                                      "failed": info["failed"]}
+        if record["status"] == "in_progress" and (why := _waiting(redis, record)):
+            obj["errors"] = {"object": "list", "data": [{"code": "model_not_served", "line": None,
+                                                         "param": None, "message": why}]}
     return obj
+
+
+def _waiting(redis, record: dict) -> str | None:
+    """Why the batch's job waits queued: no live worker serves its model (None otherwise)."""
+    try:
+        status, _ = jobs.status_of(redis, _job_id(record["id"]))
+    except jobs.JobNotFound:
+        return None
+    return jobs.waiting(redis, record.get("model")) if status == "queued" else None
 
 
 def _owned(redis, batch_id: str, tenant) -> dict:
@@ -147,7 +160,10 @@ def create(body: BatchCreate, request: Request):
         try:
             # The job's own fields, checked as a native job's are (run_at after 1970).
             JobRequest(prompts=["-"], priority=body.priority, run_at=body.run_at, metadata=body.metadata or {})
-            served = {m: (models.task(redis, m), models.image_schemes(redis, m) or []) for m in models.served(redis)}
+            # Each known model -> its task and the image URL schemes its live workers take (None
+            # with no live worker: the worker checks those lines).
+            served = {name: (m.task, m.entry.get("images") if m.live else None)
+                      for name, m in fleet.read(redis).items()}
             requests = batchinput.read(blobs.lines(files.content(redis, st.blobs, f["id"], tenant)), settings)
             planned, model, encoding = batchinput.plan(requests, body.endpoint, served, builder)
         except BaseException:

@@ -202,8 +202,8 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, tuple[str
     Raises Invalid when a line does not fit the batch (another url, a model not served or
     served for another task, mixed kinds of prompt, an image its model's workers cannot
     take; in an embedding batch, parameters other than the first line's). `served`: each
-    served model -> (its task, the image URL schemes its workers take: [] for a text
-    model). Each line keeps its own sampling parameters; the job seed is new (a line's own
+    known model -> (its task, the image URL schemes its workers take: [] for a text
+    model; None for what no live worker announced). Each line keeps its own sampling parameters; the job seed is new (a line's own
     `seed` still fixes its samples). An embedding batch is one embedding job: its lines
     share dimensions, truncation and encoding (the first line's)."""
     errors, model, kind = [], None, None
@@ -242,21 +242,22 @@ def plan(requests: Iterable[Request], endpoint: str, served: dict[str, tuple[str
         raise Invalid(errors)
     # The custom ids are in the items' entries (builder.add), not in the job's Redis keys.
     planned = jobs.Planned(kind, builder.ns, tokens, random.getrandbits(63), None, builder.finish(), task,
-                           first.params if first else None)
+                           first.params if first else None, model or "")
     return planned, model, first.body.encoding_format if first else None
 
 
-def _misfit(r: Request, endpoint: str, served: dict[str, list[str]], model: str) -> LineError | None:
+def _misfit(r: Request, endpoint: str, served: dict[str, tuple], model: str) -> LineError | None:
     if r.url != endpoint:
         return LineError(r.line, f"url {r.url} is not the batch's endpoint {endpoint}", "url", "mismatched_endpoint")
     if r.body.model not in served:
-        return LineError(r.line, f"model {r.body.model!r} is not served here (GET /v1/models)", "body.model",
-                         "model_not_found")
+        return LineError(r.line, f"model {r.body.model!r} is not a model of this fleet (GET /v1/models lists "
+                                 "the served ones)", "body.model", "model_not_found")
     task, schemes = served[r.body.model]
     if task != TASKS.get(endpoint, "generate"):
         return LineError(r.line, f"model {r.body.model!r} is {'an embedding' if task == 'embed' else 'a text'} "
                                  f"model: not for {endpoint}", "body.model", "model_not_supported")
-    if endpoint == "/v1/chat/completions" and (bad := image_error(r.body.messages, r.body.model, schemes)):
+    if endpoint == "/v1/chat/completions" and schemes is not None and \
+            (bad := image_error(r.body.messages, r.body.model, schemes)):
         return LineError(r.line, f"body.{bad[1]}", f"body.{bad[0]}", "unsupported_parameter")
     if r.body.model != model:
         return LineError(r.line, f"every line must name the same model (the first names {model!r})",

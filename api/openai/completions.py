@@ -78,7 +78,7 @@ async def _serve(request: Request, req, items: dict, prefix: str, echo: bool = F
     if params.tools and params.effective_tool_choice == "auto":
         await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
     metadata = {**(req.metadata or {}), **({"user": req.user} if req.user else {})}
-    job = await online.start(request, items, params, metadata, disconnect=not req.stream)
+    job = await online.start(request, req.model, items, params, metadata, disconnect=not req.stream)
     head = (prefix + job.job_id, int(time.time()), req.model)
     chat = prefix == "chatcmpl-"
     try:

@@ -120,7 +120,7 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     await anyio.to_thread.run_sync(models.require, st.redis, req.model, "embed")
     await anyio.to_thread.run_sync(models.require_dimensions, st.redis, req.model, req.dimensions)
     metadata = {**(req.metadata or {}), **({"user": req.user} if req.user else {})}
-    job = await online.start(request, items, params, metadata)
+    job = await online.start(request, req.model, items, params, metadata)
     try:
         found = await online.collect(job.entries, size, 1)
     except online.Failed as e:

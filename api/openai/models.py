@@ -1,14 +1,11 @@
-"""The models the live workers serve: each worker refreshes its model's entry in Redis
-with its heartbeat (worker.consumer), so a model whose workers are all gone drops out
-within FANOUT_HEARTBEAT_TTL."""
+"""The models of the fleet as the OpenAI surface shows them (GET /v1/models: the live ones)
+and the checks of a request's model against what its workers announced (jobs/models.py).
+A known model with no live worker takes requests, which wait for one; an unknown one is a 404."""
 from __future__ import annotations
-
-import json
-import time
 
 from fastapi import APIRouter, Request
 
-from results import keys
+from jobs import models as fleet
 from worker.embedder.params import dimensions_error
 
 from .errors import OpenAIError, not_found
@@ -18,44 +15,29 @@ router = APIRouter()
 
 
 def served(redis) -> dict[str, dict]:
-    """name -> its model object (id, when it started being served, its context length)."""
-    now, out = time.time(), {}
-    for name, raw in redis.hgetall(keys.models()).items():
-        entry = json.loads(raw)
-        if entry["expires"] > now:
-            out[name.decode()] = {"id": name.decode(), "root": name.decode(), "created": entry["created"],
-                                  "max_model_len": entry.get("max_model_len")}
-    return out
+    """name -> its model object, for the models a live worker serves."""
+    return {name: _card(m) for name, m in fleet.live(redis).items()}
 
 
-ROUTES = {"generate": "/v1/chat/completions, /v1/completions, /v1/responses or /v1/messages",
-          "embed": "/v1/embeddings"}
+def _card(m: fleet.Model) -> dict:
+    return {"id": m.name, "root": m.name, "created": m.entry.get("created", 0),
+            "max_model_len": m.entry.get("max_model_len")}
 
 
-def require(redis, name: str, task: str | None = "generate") -> None:
-    """OpenAIError 404 unless a live worker serves `name`; 400 when it serves it for another
-    task (an embedding model asked for text, or the other way round; None: any task)."""
-    if name not in served(redis):
-        raise OpenAIError(404, f"The model '{name}' does not exist or no worker serves it now (GET /v1/models "
-                               "lists the served ones)", param="model", code="model_not_found")
-    has = (_announced(redis, name) or {}).get("task", "generate")
-    if task is not None and has != task:
-        kind = "an embedding model" if has == "embed" else "a text generation model"
-        raise OpenAIError(400, f"The model '{name}' is {kind}: use it with {ROUTES[has]}", param="model",
-                          code="model_not_supported")
+def require(redis, name: str, task: str | None = "generate") -> fleet.Model:
+    """The known model `name`; OpenAIError 404 when the fleet does not know it, 400 when it is
+    another task's (an embedding model asked for text, or the other way round; None: any)."""
+    try:
+        return fleet.resolve(redis, name, task)
+    except fleet.ModelError as e:
+        raise OpenAIError(e.status, e.message, param="model", code=e.code) from None
 
 
 def _announced(redis, name: str) -> dict | None:
-    """What `name`'s workers announce with their heartbeat (worker.consumer), None when no
-    worker serves it."""
-    raw = redis.hget(keys.models(), name)
-    return None if raw is None else json.loads(raw)
-
-
-def task(redis, name: str) -> str | None:
-    """The task `name`'s workers run (jobs.spec.TASKS), None when no worker serves it."""
-    entry = _announced(redis, name)
-    return None if entry is None else entry.get("task", "generate")
+    """What `name`'s live workers announce with their heartbeat, None when none is live
+    (the checks that need it are then the worker's, item by item)."""
+    m = fleet.get(redis, name)
+    return m.entry if m is not None and m.live else None
 
 
 def image_schemes(redis, name: str) -> list[str] | None:

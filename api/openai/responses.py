@@ -277,7 +277,7 @@ async def create(req: ResponseRequest, request: Request):
     if params.tools and params.effective_tool_choice == "auto":
         await anyio.to_thread.run_sync(models.require_tool_format, st.redis, req.model)
     metadata = {**(req.metadata or {}), **({"user": req.user} if req.user else {})}
-    job = await online.start(request, {"messages": [chat]}, params, metadata, disconnect=not req.stream)
+    job = await online.start(request, req.model, {"messages": [chat]}, params, metadata, disconnect=not req.stream)
     response_id, created = "resp_" + job.job_id, int(time.time())
     try:
         if not req.stream:

@@ -269,11 +269,13 @@ def test_cron_jobs_run_as_a_tenant_within_its_limits(tmp_path, caplog):
     import httpx
     from api import tenants
     from conftest import start_api
+    from jobs import models
 
     server = EmbeddedRedis()
     conn = redis_lib.Redis.from_url(server.url)
     api = None
     try:
+        models.announce_loading(conn, "llama", "generate")  # the fleet's one model, its worker starting
         owner_key, owner = tenants.create(conn, "nightly-team", {"items_per_job": 2})
         other_key, _ = tenants.create(conn, "someone-else", {})
         config = tmp_path / "cron.json"

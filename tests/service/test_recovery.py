@@ -265,12 +265,12 @@ def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_abort
     from rq.serializers import JSONSerializer
 
     from worker import reaper
-    from jobs.spec import QUEUE_ORDER
+    from jobs.spec import queues as model_queues
 
     server = EmbeddedRedis()
     r = redis_lib.Redis.from_url(server.url)
     w = WorkerProc(server.url, model_dir, tmp_path, env={"FANOUT_HEARTBEAT_TTL": str(LIVE_TTL)})
-    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in model_queues("llama")]
     try:
         w.start()
         for round_ in range(3):
@@ -310,14 +310,16 @@ def test_the_aborted_events_of_a_dropped_attempt_never_count_for_the_next_one(mo
     from rq.serializers import JSONSerializer
 
     from worker import reaper
+    from jobs import models
+    from jobs.spec import queues as model_queues
     from worker.consumer import Consumer
-    from jobs.spec import QUEUE_ORDER
 
     server = EmbeddedRedis()
     settings = Settings(redis_url=server.url, storage_url=f"file://{tmp_path}/blobs")
     r = redis_lib.Redis.from_url(server.url)
-    w = Consumer(engine, redis_lib.Redis.from_url(server.url), settings, name="in-process")
-    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+    w = Consumer(engine, redis_lib.Redis.from_url(server.url), settings, name="in-process", model="llama")
+    models.announce_loading(r, "llama", "generate")  # its model known, as `fanout worker` does first
+    queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in model_queues("llama")]
     try:
         params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
         job_id = jobs.submit(r, JobRequest(prompts=PROMPTS[:4], sampling_params=params), settings)["id"]

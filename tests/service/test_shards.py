@@ -172,7 +172,7 @@ def test_a_shard_taken_by_a_worker_that_dies_before_its_claim_is_queued_again(fl
     from rq.serializers import JSONSerializer
 
     from jobs import shards
-    from jobs.spec import QUEUE_ORDER
+    from jobs.spec import queues as model_queues
 
     r = fleet["redis"]
     for w in fleet["workers"]:
@@ -180,7 +180,7 @@ def test_a_shard_taken_by_a_worker_that_dies_before_its_claim_is_queued_again(fl
     try:
         # 6 shards, 4 queued: a stopped worker's BLPOP, already waiting in Redis, still pops one.
         job_id = submit(r, PROMPTS[:48], {"max_new_tokens": 4, "ignore_eos": True})
-        queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in QUEUE_ORDER]
+        queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in model_queues("llama")]
         _, taken = shards.take(r, queues, time.time())
         assert taken.startswith(job_id) and r.hexists(keys.taking(), taken)
     finally:

@@ -1,0 +1,173 @@
+"""Many models, one fleet: jobs routed by model (jobs/models.py, jobs.spec.queues).
+
+Its own Redis, one API and two workers serving two different random-weight models; a third
+model the API knows (FANOUT_MODELS) but no worker serves until the test starts one."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import redis as redis_lib
+
+from cli.redis_server import EmbeddedRedis
+from conftest import WorkerProc, entries, start_api, wait_for
+from jobs import models as fleet
+from results import keys
+from test_openai_batch import chat_line, jsonl, read_lines, wait
+from worker.engine import Engine, SamplingParams
+from worker.engine.models.tiny import build_tiny_model
+
+PROMPTS = ["the quick brown fox", "a b c d e f", "one two three"]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def fleet_of_two(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("routing")
+    other = build_tiny_model(str(root / "qwen"), arch="qwen3", seed=7)
+    server = EmbeddedRedis()
+    api, url = start_api(server.url, root, "api", env={"FANOUT_MODELS": "late"})
+    workers = {"llama": WorkerProc(server.url, model_dir, root), "qwen": WorkerProc(server.url, other, root)}
+    for w in workers.values():
+        w.start()
+    r = redis_lib.Redis.from_url(server.url)
+    yield {"url": url, "redis": r, "workers": workers, "dirs": {"llama": model_dir, "qwen": other},
+           "server": server, "root": root, "api": api}
+    for w in workers.values():
+        if w.proc is not None and w.proc.alive():
+            w.stop()
+    api.stop()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(fleet_of_two):
+    return {name: Engine(path, device="cpu") for name, path in fleet_of_two["dirs"].items()}
+
+
+def greedy(engine: Engine, prompts) -> list[list[int]]:
+    items = engine.generate(prompts=prompts, sampling_params=SamplingParams(**GREEDY))
+    return [it.samples[0].token_ids for it in items]
+
+
+def ran_on(r, job_id: str) -> set[str]:
+    """The workers that ran the job's shards (its stream's attempt entries)."""
+    return {e["worker"] for e in entries(r, job_id) if e["type"] == "attempt"}
+
+
+def finished(url: str, job_id: str, timeout: float = 60) -> dict:
+    return wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job_id}").json())["status"] in
+                    ("succeeded", "failed", "canceled") and j, timeout, f"job {job_id}")
+
+
+def tokens_of(url: str, job_id: str) -> list[list[int]]:
+    page = httpx.get(f"{url}/v1/jobs/{job_id}/results").json()
+    return [it["samples"][0]["token_ids"] for it in page["items"]]
+
+
+def test_models_lists_both_and_a_job_names_its_model(fleet_of_two):
+    url = fleet_of_two["url"]
+    listed = httpx.get(url + "/v1/models").json()["data"]
+    assert sorted(m["id"] for m in listed) == ["llama", "qwen"]  # `late`: known, not served
+    r = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS})
+    assert r.status_code == 400 and "several models (llama, qwen)" in r.json()["detail"], r.text
+    r = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": "nope"})
+    assert r.status_code == 404 and "'nope'" in r.json()["detail"] and "llama, qwen" in r.json()["detail"], r.text
+
+
+def test_each_models_jobs_run_on_its_workers_alone(fleet_of_two, engines):
+    url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
+    ids = {}
+    for name in ("llama", "qwen"):
+        for k in range(3):  # several jobs each, submitted before any ends: any idle worker could take them
+            resp = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": name, "sampling_params": GREEDY})
+            assert resp.status_code == 202, resp.text
+            ids[name, k] = resp.json()["id"]
+    for (name, _), job_id in ids.items():
+        job = finished(url, job_id)
+        assert job["status"] == "succeeded" and job["model"] == name and job["waiting"] is None, job
+        assert ran_on(r, job_id) == {workers[name].ref}
+        assert tokens_of(url, job_id) == greedy(engines[name], PROMPTS)
+    assert greedy(engines["llama"], PROMPTS) != greedy(engines["qwen"], PROMPTS)  # the test can tell them apart
+
+
+def test_openai_requests_run_on_the_model_they_name(fleet_of_two):
+    url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
+        for name in ("llama", "qwen"):
+            c = oai.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+            assert c.model == name
+            assert ran_on(r, c.id.removeprefix("cmpl-")) == {workers[name].ref}
+        with pytest.raises(openai.NotFoundError) as e:
+            oai.completions.create(model="nope", prompt="x", max_tokens=2)
+        assert e.value.code == "model_not_found" and "llama, qwen" in e.value.message
+
+
+def test_a_batch_for_a_model_no_worker_serves_yet_waits_and_completes(fleet_of_two, engines):
+    """FANOUT_MODELS names `late`: its batch and job are taken, wait queued saying why, and run
+    once a worker serving it starts."""
+    url, r, root = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["root"]
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
+        lines = [chat_line(f"q{i}", p, max_tokens=4, temperature=0) for i, p in enumerate(PROMPTS)]
+        for line in lines:
+            line["body"]["model"] = "late"
+        f = oai.files.create(file=("late.jsonl", jsonl(lines)), purpose="batch")
+        b = wait(oai, oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id, ("in_progress", "failed"))
+        assert b.status == "in_progress" and b.model == "late", b
+        [why] = b.errors.data
+        assert why.code == "model_not_served" and "'late'" in why.message
+        native = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": "late", "sampling_params": GREEDY})
+        assert native.status_code == 202, native.text
+        job = httpx.get(f"{url}/v1/jobs/{native.json()['id']}").json()
+        assert job["status"] == "queued" and "no live worker serves the model 'late'" in job["waiting"], job
+        time.sleep(2)  # nothing takes them meanwhile
+        assert oai.batches.retrieve(b.id).status == "in_progress"
+        late = WorkerProc(fleet_of_two["server"].url, fleet_of_two["dirs"]["llama"], root,
+                          args=["--served-model-name", "late"])
+        late.start()
+        try:
+            b = wait(oai, b.id, ("completed", "failed", "expired"), timeout=120)
+            assert b.status == "completed" and b.errors is None and b.request_counts.completed == 3, b
+            assert [x["custom_id"] for x in read_lines(oai, b.output_file_id)] == ["q0", "q1", "q2"]
+            job = finished(url, native.json()["id"])
+            assert job["status"] == "succeeded" and job["waiting"] is None
+            assert ran_on(r, native.json()["id"]) == {late.ref}
+            assert tokens_of(url, native.json()["id"]) == greedy(engines["llama"], PROMPTS)
+        finally:
+            late.stop()
+
+
+def test_a_starting_worker_makes_its_model_known_before_it_has_loaded(fleet_of_two):
+    r = fleet_of_two["redis"]
+    assert fleet.get(r, "warming") is None
+    assert fleet.announce_loading(r, "warming", "generate")
+    m = fleet.get(r, "warming")
+    assert m.state == "loading" and m.task == "generate" and not m.live
+    assert "a worker is loading the model 'warming'" in fleet.waiting(m, "warming")
+    assert not fleet.announce_loading(r, "llama", "generate")  # live: its entry is left as it is
+    assert fleet.get(r, "llama").live
+    r.hdel(keys.models(), "warming")
+    # A loading model takes jobs (they wait), and is not listed among the served ones.
+    url = fleet_of_two["url"]
+    fleet.announce_loading(r, "warming", "generate")
+    try:
+        resp = httpx.post(url + "/v1/jobs", json={"prompts": ["x"], "model": "warming"})
+        assert resp.status_code == 202, resp.text
+        assert "loading" in httpx.get(f"{url}/v1/jobs/{resp.json()['id']}").json()["waiting"]
+        assert "warming" not in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert httpx.post(f"{url}/v1/jobs/{resp.json()['id']}/cancel").status_code == 202
+    finally:
+        r.hdel(keys.models(), "warming")
+
+
+def test_an_embedding_route_refuses_a_text_model_by_name(fleet_of_two):
+    url = fleet_of_two["url"]
+    r = httpx.post(url + "/v1/embeddings", json={"model": "qwen", "input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+    r = httpx.post(url + "/v1/jobs", json={"prompts": ["x"], "task": "embed"})
+    assert r.status_code == 404 and "task embed" in r.json()["detail"], r.text
+    assert json.loads(fleet_of_two["redis"].hget(keys.models(), "qwen"))["task"] == "generate"
