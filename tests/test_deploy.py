@@ -19,7 +19,7 @@ from cli import redis_server
 from cli.main import parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FANOUT = ("api", "worker", "cron")  # the services that run the image
+FANOUT = ("api", "worker", "worker-embed", "cron")  # the services that run the image
 PASSWORD_VAR = "REDIS_PASSWORD"
 
 
@@ -72,6 +72,18 @@ def test_services(services):
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
 
 
+def test_two_models_each_with_its_workers(services):
+    """A chat model's worker and an embedding model's: the same service (command, GPU, volumes,
+    store) but for FANOUT_MODEL, so each takes its own model's jobs."""
+    chat, embed = services["worker"], services["worker-embed"]
+    for key in ("command", "deploy", "volumes", "healthcheck", "stop_grace_period", "image"):
+        assert chat[key] == embed[key], key
+    assert {k: v for k, v in env_of(chat).items() if k != "FANOUT_MODEL"} == \
+        {k: v for k, v in env_of(embed).items() if k != "FANOUT_MODEL"}
+    assert env_of(chat)["FANOUT_MODEL"] != env_of(embed)["FANOUT_MODEL"]
+    assert "bge-small" in env_of(embed)["FANOUT_MODEL"]  # sentence-transformers' layout: /v1/embeddings
+
+
 def test_redis_is_private_and_needs_the_password(services):
     redis = services["redis"]
     for name, svc in services.items():
@@ -110,7 +122,7 @@ def _parse(cmd: list[str], monkeypatch):
 def test_every_command_is_a_fanout_command_with_flags_it_accepts(services, dockerfile, monkeypatch):
     for name in FANOUT:
         args = _parse(services[name]["command"], monkeypatch)
-        assert args.cmd == name
+        assert args.cmd == name.removesuffix("-embed")
     cmd = json.loads(dockerfile[-1].removeprefix("CMD "))
     assert _parse(cmd, monkeypatch).cmd == "api"
     worker = _parse(services["worker"]["command"], monkeypatch)

@@ -19,7 +19,8 @@ import yaml
 
 from cli import redis_server
 from cli.main import parser
-from jobs.spec import QUEUE_ORDER
+from jobs import models as fleet
+from jobs.spec import queues as model_queues
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMESPACE = "fanout"
@@ -39,6 +40,19 @@ def one(docs, kind: str, name: str) -> dict:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
     return found[0]
+
+
+def workers(docs) -> list[dict]:
+    """The worker Deployments: one per model."""
+    found = [d for d in docs if d["kind"] == "Deployment"
+             and d["metadata"]["labels"].get("app.kubernetes.io/component") == "worker"]
+    assert len(found) >= 2  # k8s.yaml shows a fleet of two models
+    return found
+
+
+def served(worker: dict) -> str:
+    """The served name of a worker Deployment's model (its FANOUT_SERVED_MODEL_NAME)."""
+    return container_env(container(worker))["FANOUT_SERVED_MODEL_NAME"]
 
 
 def workloads(docs) -> list[dict]:
@@ -114,7 +128,10 @@ def test_every_object_is_namespaced_and_labelled(docs):
     for w in workloads(docs):
         labels = w["spec"]["template"]["metadata"]["labels"]
         assert matches(w["spec"]["selector"]["matchLabels"], labels)
-        assert labels == {**LABEL, "app.kubernetes.io/component": w["metadata"]["name"]}
+        if w in workers(docs):  # a Deployment per model: its pods carry the model's name
+            assert labels == {**LABEL, "app.kubernetes.io/component": "worker", "fanout/model": served(w)}
+        else:
+            assert labels == {**LABEL, "app.kubernetes.io/component": w["metadata"]["name"]}
 
 
 def test_standard_objects_match_the_kubernetes_schemas(docs):
@@ -143,11 +160,11 @@ def test_the_schema_check_catches_mistakes(docs):
     """The strict schemas reject what a typo in k8s.yaml would look like."""
     import kubernetes_validate
 
-    bad = copy.deepcopy(one(docs, "Deployment", "worker"))
+    bad = copy.deepcopy(one(docs, "Deployment", "worker-chat"))
     container(bad)["resources"]["limit"] = {"nvidia.com/gpu": 1}  # `limits`
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, "1.37", strict=True)
-    bad = copy.deepcopy(one(docs, "Deployment", "worker"))
+    bad = copy.deepcopy(one(docs, "Deployment", "worker-chat"))
     pod_spec(bad)["terminationGracePeriodSeconds"] = "180"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, "1.37", strict=True)
@@ -182,15 +199,15 @@ def test_keda_objects_match_the_keda_crd_schemas(docs):
     import pydantic
 
     keda = [d for d in docs if d["apiVersion"] == KEDA]
-    assert sorted(d["kind"] for d in keda) == ["ScaledObject", "TriggerAuthentication"]
+    assert sorted(d["kind"] for d in keda) == ["ScaledObject"] * len(workers(docs)) + ["TriggerAuthentication"]
     for d in keda:
         assert keda_check(d) == [], d["kind"]
     # The check sees mistakes: a misspelt field, a number where the CRD has a string.
-    so = copy.deepcopy(one(docs, "ScaledObject", "worker"))
+    so = copy.deepcopy(one(docs, "ScaledObject", "worker-chat"))
     so["spec"]["minReplicas"] = 1
     so["spec"]["advanced"]["scalingModifiers"]["formulas"] = "x"
     assert sorted(keda_check(so)) == [".spec.advanced.scalingModifiers.formulas", ".spec.minReplicas"]
-    so = copy.deepcopy(one(docs, "ScaledObject", "worker"))
+    so = copy.deepcopy(one(docs, "ScaledObject", "worker-chat"))
     so["spec"]["triggers"][0]["metadata"]["listLength"] = 2
     with pytest.raises(pydantic.ValidationError):
         keda_check(so)
@@ -203,9 +220,14 @@ def test_commands_parse_with_the_fanout_cli(docs, monkeypatch):
     assert api.cmd == "api" and api.host == "0.0.0.0"
     assert api.port == port_number(container(one(docs, "Deployment", "api")), "http")
     monkeypatch.undo()
-    worker = parse(container(one(docs, "Deployment", "worker")), monkeypatch)
-    assert worker.cmd == "worker" and worker.device == "cuda" and worker.model
-    assert not worker.burst
+    names = set()
+    for w in workers(docs):
+        monkeypatch.undo()
+        worker = parse(container(w), monkeypatch)
+        assert worker.cmd == "worker" and worker.device == "cuda" and worker.model
+        assert not worker.burst
+        names.add(served(w))  # read by the worker at start (the flag's default)
+    assert len(names) == len(workers(docs))  # each Deployment its own model
 
 
 def test_every_fanout_process_gets_the_password_in_redis_url(docs, monkeypatch):
@@ -257,8 +279,8 @@ def test_the_api_reads_the_blob_store_from_the_secret_the_instructions_create(do
     """Every API replica and worker must reach the same store: a bucket, named by the blob-store Secret
     (FANOUT_STORAGE_URL and the AWS_* variables), which k8s.yaml's header and docs/deployment.md create."""
     refs = set()
-    for name in ("api", "worker"):  # the worker reads the items of large jobs from the same bucket
-        (c,) = pod_spec(one(docs, "Deployment", name))["containers"]
+    for d in [one(docs, "Deployment", "api"), *workers(docs)]:  # workers read large jobs' items from it
+        (c,) = pod_spec(d)["containers"]
         refs.update(e["secretRef"]["name"] for e in c["envFrom"])
     (ref,) = refs
     create = re.compile(rf"kubectl -n fanout create secret generic {ref} --from-literal=FANOUT_STORAGE_URL=s3://")
@@ -279,49 +301,61 @@ def test_the_instructions_name_what_the_file_uses(docs):
         assert f"docker build -t REGISTRY/{image.split('/')[-1]} ." in text, path
 
 
-def test_scaledobject_watches_the_rq_queue_lists(docs):
-    so = one(docs, "ScaledObject", "worker")["spec"]
-    target = so["scaleTargetRef"]
-    assert (target.get("apiVersion"), target.get("kind"), target["name"]) == ("apps/v1", "Deployment", "worker")
-    assert "replicas" not in one(docs, "Deployment", "worker")["spec"]  # KEDA's HPA sets it
+def test_each_models_scaledobject_watches_its_rq_queue_lists(docs):
     conn = redis_lib.Redis()  # rq builds keys without connecting
-    keys = [rq.Queue(name, connection=conn).key for name in QUEUE_ORDER]
-    assert keys == ["rq:queue:fanout-high", "rq:queue:fanout", "rq:queue:fanout-low"]  # rq 3
-    triggers = so["triggers"]
-    assert [t["metadata"]["listName"] for t in triggers] == keys
-    svc = one(docs, "Service", "redis")
-    url = next(e for e in container(one(docs, "Deployment", "worker"))["env"] if e["name"] == "REDIS_URL")
-    db = re.fullmatch(r"redis://.*/(\d+)", url["value"]).group(1)  # the workers' database
-    for t in triggers:
-        assert t["type"] == "redis"  # LLEN of a list
-        assert t["authenticationRef"]["name"] == "redis"
-        md = t["metadata"]
-        # KEDA's operator runs in its own namespace: the Service's namespaced name.
-        assert md["address"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:" \
-                                f"{svc['spec']['ports'][0]['port']}"
-        assert md["databaseIndex"] == db and int(md["listLength"]) >= 1
-        assert not any(k.startswith("password") for k in md)  # from the TriggerAuthentication
-    # One metric: the lists summed, each once.
-    mod = so["advanced"]["scalingModifiers"]
-    terms = [s.strip() for s in mod["formula"].split("+")]
-    assert sorted(terms) == sorted(t["name"] for t in triggers)
-    assert mod["metricType"] == "AverageValue" and int(mod["target"]) >= 1
-    assert 0 <= so["minReplicaCount"] <= so["maxReplicaCount"]
-    assert so["cooldownPeriod"] > 0
-    down = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
-    assert down["stabilizationWindowSeconds"] >= 300  # no scale-in on a momentarily empty queue
+    for w in workers(docs):
+        name = w["metadata"]["name"]
+        so = one(docs, "ScaledObject", name)["spec"]
+        target = so["scaleTargetRef"]
+        assert (target.get("apiVersion"), target.get("kind"), target["name"]) == ("apps/v1", "Deployment", name)
+        assert "replicas" not in w["spec"]  # KEDA's HPA sets it
+        keys = [rq.Queue(q, connection=conn).key for q in model_queues(served(w))]
+        assert keys == [f"rq:queue:fanout:{served(w)}:{p}" for p in ("high", "normal", "low")]  # rq 3
+        triggers = so["triggers"]
+        assert [t["metadata"]["listName"] for t in triggers] == keys
+        svc = one(docs, "Service", "redis")
+        url = next(e for e in container(w)["env"] if e["name"] == "REDIS_URL")
+        db = re.fullmatch(r"redis://.*/(\d+)", url["value"]).group(1)  # the workers' database
+        for t in triggers:
+            assert t["type"] == "redis"  # LLEN of a list
+            assert t["authenticationRef"]["name"] == "redis"
+            md = t["metadata"]
+            # KEDA's operator runs in its own namespace: the Service's namespaced name.
+            assert md["address"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:" \
+                                    f"{svc['spec']['ports'][0]['port']}"
+            assert md["databaseIndex"] == db and int(md["listLength"]) >= 1
+            assert not any(k.startswith("password") for k in md)  # from the TriggerAuthentication
+        # One metric: the lists summed, each once.
+        mod = so["advanced"]["scalingModifiers"]
+        terms = [s.strip() for s in mod["formula"].split("+")]
+        assert sorted(terms) == sorted(t["name"] for t in triggers)
+        assert mod["metricType"] == "AverageValue" and int(mod["target"]) >= 1
+        # To zero when idle: the first waiting shard wakes a worker.
+        assert so["minReplicaCount"] == 0 < so["maxReplicaCount"] and int(mod["activationTarget"]) == 0
+        assert so["cooldownPeriod"] > 0
+        down = so["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        assert down["stabilizationWindowSeconds"] >= 300  # no scale-in on a momentarily empty queue
+
+
+def test_the_api_knows_every_workers_model_while_it_is_scaled_to_zero(docs, monkeypatch):
+    """FANOUT_MODELS on the API names each worker Deployment's model with its task: a job for
+    a model whose workers are at zero is taken and waits (and its queue wakes them)."""
+    monkeypatch.setenv("FANOUT_MODELS", container_env(container(one(docs, "Deployment", "api")))["FANOUT_MODELS"])
+    tasks = {served(w): ("embed" if "bge" in container_env(container(w))["FANOUT_MODEL"] else "generate")
+             for w in workers(docs)}
+    assert fleet.configured() == tasks
 
 
 def test_scale_in_drains_before_the_kill(docs, monkeypatch):
-    worker = one(docs, "Deployment", "worker")
-    args = parse(container(worker), monkeypatch)
-    grace = pod_spec(worker)["terminationGracePeriodSeconds"]
-    # SIGTERM: --drain-timeout for running jobs, then the hand-back (Redis writes) before
-    # Kubernetes' SIGKILL at the end of the grace period.
-    assert grace >= args.drain_timeout + 30, (grace, args.drain_timeout)
-    assert "preStop" not in container(worker).get("lifecycle", {})
-    strategy = worker["spec"]["strategy"]["rollingUpdate"]
-    assert strategy["maxSurge"] == 0  # a rollout does not need a spare GPU
+    for worker in workers(docs):
+        args = parse(container(worker), monkeypatch)
+        grace = pod_spec(worker)["terminationGracePeriodSeconds"]
+        # SIGTERM: --drain-timeout for running jobs, then the hand-back (Redis writes) before
+        # Kubernetes' SIGKILL at the end of the grace period.
+        assert grace >= args.drain_timeout + 30, (grace, args.drain_timeout)
+        assert "preStop" not in container(worker).get("lifecycle", {})
+        strategy = worker["spec"]["strategy"]["rollingUpdate"]
+        assert strategy["maxSurge"] == 0  # a rollout does not need a spare GPU
 
 
 def test_services_select_their_pods(docs):
@@ -344,7 +378,7 @@ def test_services_select_their_pods(docs):
     sources = np["ingress"][0]["from"]
     local = next(s["podSelector"]["matchLabels"] for s in sources if "podSelector" in s)
     assert {n for n, w in pods.items() if matches(local, w["spec"]["template"]["metadata"]["labels"])} \
-        >= {"api", "worker"}
+        >= {"api", *(w["metadata"]["name"] for w in workers(docs))}
     assert any(s.get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "keda"}
                for s in sources)
     assert [p["port"] for p in np["ingress"][0]["ports"]] == [6379]
@@ -380,7 +414,8 @@ def _exit_code(code: str) -> int:
 
 
 def test_worker_probes_want_a_fresh_registration_from_this_pod(docs, monkeypatch):
-    c = container(one(docs, "Deployment", "worker"))
+    c = container(one(docs, "Deployment", "worker-chat"))
+    assert all(container(w)["livenessProbe"] == c["livenessProbe"] for w in workers(docs))
     start, live = c["startupProbe"], c["livenessProbe"]
     assert start["exec"] == live["exec"]
     cmd = live["exec"]["command"]
@@ -439,23 +474,23 @@ def test_nothing_runs_as_root(docs):
 
 
 def test_the_worker_gets_a_gpu_and_writable_caches(docs):
-    worker = one(docs, "Deployment", "worker")
-    c = container(worker)
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    env = container_env(c)
-    mounts = [m["mountPath"] for m in c["volumeMounts"]]
-    # A read-only root filesystem: the Hugging Face cache, HOME (Triton's ~/.triton, other
-    # caches) and /tmp (Triton's launcher build) are volumes.
-    with open(os.path.join(ROOT, "Dockerfile")) as f:
-        home = re.search(r"--home-dir (\S+)", f.read()).group(1)
-    assert env["HOME"] == home
-    for path in (env["HF_HOME"], env["HOME"], "/tmp"):
-        assert any(path == m or path.startswith(m + "/") for m in mounts), path
-    volumes = {v["name"]: v for v in pod_spec(worker)["volumes"]}
-    assert all("emptyDir" in volumes[m["name"]] or "persistentVolumeClaim" in volumes[m["name"]]
-               for m in c["volumeMounts"])
-    images = {c["image"] for _, c in fanout_containers(docs)}
-    assert len(images) == 1  # the Dockerfile's one image for the API and the workers
+    for worker in workers(docs):
+        c = container(worker)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        env = container_env(c)
+        mounts = [m["mountPath"] for m in c["volumeMounts"]]
+        # A read-only root filesystem: the Hugging Face cache, HOME (Triton's ~/.triton, other
+        # caches) and /tmp (Triton's launcher build) are volumes.
+        with open(os.path.join(ROOT, "Dockerfile")) as f:
+            home = re.search(r"--home-dir (\S+)", f.read()).group(1)
+        assert env["HOME"] == home
+        for path in (env["HF_HOME"], env["HOME"], "/tmp"):
+            assert any(path == m or path.startswith(m + "/") for m in mounts), path
+        volumes = {v["name"]: v for v in pod_spec(worker)["volumes"]}
+        assert all("emptyDir" in volumes[m["name"]] or "persistentVolumeClaim" in volumes[m["name"]]
+                   for m in c["volumeMounts"])
+        images = {c["image"] for _, c in fanout_containers(docs)}
+        assert len(images) == 1  # the Dockerfile's one image for the API and the workers
 
 
 def test_only_fanout_pods_and_the_keda_operator_reach_redis(docs):
