@@ -185,6 +185,8 @@ def cmd_submit(args) -> None:
     body = {**(_url_body(args) if remote else job_body(args.file, args)), "priority": args.priority}
     if args.run_at:
         body["run_at"] = args.run_at
+    if args.job_model:
+        body["model"] = args.job_model
     if args.metadata:
         body["metadata"] = {k: v for pairs in args.metadata for k, v in pairs.items()}
     # A local file is checked here too: a bad one fails before any upload. A URL's lines the API checks.

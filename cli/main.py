@@ -142,6 +142,8 @@ examples:
     sampling_flags(p)
     p.add_argument("--priority", choices=["high", "normal", "low"], default="normal",
                    help="queue: a worker takes high before normal before low")
+    p.add_argument("--model", default=None, dest="job_model",
+                   help="the served model to run on (GET /v1/models); optional while the fleet serves one")
     p.add_argument("--run-at", default=None, help="start no earlier than this ISO 8601 time with a zone")
     p.add_argument("--metadata", type=metadata_arg, action="append", default=None,
                    help="key=value, or a JSON object of strings; repeatable (16 pairs at most, keys "

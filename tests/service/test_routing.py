@@ -5,6 +5,7 @@ model the API knows (FANOUT_MODELS) but no worker serves until the test starts o
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -171,3 +172,18 @@ def test_an_embedding_route_refuses_a_text_model_by_name(fleet_of_two):
     r = httpx.post(url + "/v1/jobs", json={"prompts": ["x"], "task": "embed"})
     assert r.status_code == 404 and "task embed" in r.json()["detail"], r.text
     assert json.loads(fleet_of_two["redis"].hget(keys.models(), "qwen"))["task"] == "generate"
+
+
+def test_fanout_submit_names_the_model(fleet_of_two, engines, tmp_path, capsys):
+    from cli.main import main
+
+    url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    main(["submit", str(src), "--url", url, "--model", "qwen", "--max-new-tokens", "8", "--temperature", "0",
+          "--ignore-eos", "--out", str(out)])
+    job_id = re.search(r"job (\w+)", capsys.readouterr().err).group(1)
+    assert ran_on(r, job_id) == {workers["qwen"].ref}
+    got = [json.loads(x)["samples"][0]["token_ids"] for x in out.read_text().splitlines()]
+    assert got == greedy(engines["qwen"], PROMPTS)
