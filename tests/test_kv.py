@@ -150,7 +150,7 @@ def _lru_victims(cache, pages):
         order.append(node.value[::cache.page_size].tolist())
         gone += len(node.key) // cache.page_size
         parent = node.parent
-        if (parent is not cache.root and parent.lock_ref == 0
+        if (parent.parent is not None and parent.lock_ref == 0
                 and all(id(c) in evicted for c in parent.children.values())):
             leaves[id(parent)] = parent
     return order

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_pool import KVPool
+from .lora import LoraBatch, Loras
 from .req import Req
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class ForwardBatch:
     shared: list[SharedGroup] | None = None
     # Images whose tokens run in this batch (prefill only): each distinct image once.
     images: ImageBatch | None = None
+    # The rows of each LoRA adapter's requests (lora.py); None when every request is the base's.
+    lora: LoraBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -168,7 +171,7 @@ class ScheduleBatch:
             extend_start_loc=tensor(starts), seq_lens_cpu=seq, prefix_lens_cpu=prefix,
             extend_lens_cpu=list(self.extend_lens), req_to_token=req_to_token, kv=kv,
             logits_idx=tensor(logit_rows), shared=self._shared_groups() if group_shared else None,
-            images=images)
+            images=images, lora=Loras.batch([r.lora for r in self.reqs], self.extend_lens, device))
 
     def _shared_groups(self) -> list[SharedGroup] | None:
         """Group one-token rows by the first radix node of their borrowed prefix; a group's

@@ -63,12 +63,23 @@ class EngineConfig:
                                                      "any public host on 80 and 443 (default: none "
                                                      "fetched; the worker fetches, the API never does)",
                                                env="FANOUT_IMAGE_HTTP_HOSTS")
+    lora: list[str] | None = _knob(None, "LoRA adapters in PEFT's format served beside the base model, "
+                                         "NAME=PATH each; a request names one as its model",
+                                   env="FANOUT_LORA")
+    max_loras: int | None = _knob(None, "LoRA adapters held at once (their memory reserved; default: "
+                                        "as many as --lora gives, 0 without)")
+    max_lora_rank: int = _knob(64, "the highest LoRA rank taken")
     image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
     image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
     image_memory: int = _knob(2 << 30, "bytes of preprocessed images the requests in the engine "
                                        "may hold before more items with images are loaded; also "
                                        "the bytes of pixels being decoded at once (an image whose "
                                        "decoding alone takes more fails)")
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots: max_loras, else one per adapter given."""
+        return self.max_loras if self.max_loras is not None else len(self.lora or [])
 
     @property
     def image_sources(self) -> ImageSources:
@@ -79,6 +90,12 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_prefill_tokens", "image_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        from .lora import parse_specs
+        loras = parse_specs(self.lora)
+        if self.max_loras is not None and not 0 <= len(loras) <= self.max_loras:
+            raise ValueError(f"max_loras: {self.max_loras} for {len(loras)} adapters given")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
         if self.step_share is not None and self.step_share < 0:
             raise ValueError(f"step_share: must be >= 0, got {self.step_share}")
         if self.kv_tokens is not None and self.kv_tokens < 1:

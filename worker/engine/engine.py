@@ -105,12 +105,30 @@ class Engine:
     # -- step-level interface (the worker drives these) --------------------------
 
     def add(self, tag: object, items: list[tuple], sampling_params, seed: int | None = None,
-            sink: Callable[[Event], None] | None = None, owner: object = None) -> int:
+            sink: Callable[[Event], None] | None = None, owner: object = None, lora: str | None = None) -> int:
         """Queue items (index, prompt or None, input_ids or None) under tag. Their events go
         to sink, or are returned by step() when no sink is given. `owner` (default: tag):
         requests of several owners share the slots fairly (a worker's owner is the job, whose
-        shards are tags). Returns the job seed."""
-        return self.front.add(tag, items, sampling_params, seed, sink, owner)
+        shards are tags). `lora`: the LoRA adapter they run under (its name; None: the base
+        model; ValueError for one not loaded). Returns the job seed."""
+        return self.front.add(tag, items, sampling_params, seed, sink, owner, self.lora_slot(lora))
+
+    def lora_slot(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if self.runner.loras is None:
+            raise ValueError(f"no LoRA adapter {name!r}: this engine serves none (lora, max_loras)")
+        try:
+            return self.runner.loras.slot(name)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+
+    def load_lora(self, name: str, path: str):
+        """Load one more LoRA adapter (PEFT's format) into a free slot; lora.LoraError if it
+        cannot be served. Its requests may come at once."""
+        if self.runner.loras is None:
+            raise ValueError("this engine holds no LoRA slots: start it with max_loras")
+        return self.runner.loras.load(name, path)
 
     def served(self) -> dict:
         """The model's entry among the served models (keys.models), beside created/expires:
@@ -242,13 +260,14 @@ class Engine:
                  input_ids: list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  seed: int | None = None, stream: bool = False,
-                 messages: list[list[dict]] | None = None):
+                 messages: list[list[dict]] | None = None, lora: str | None = None):
         """Results in index order, or with stream=True an iterator of events in completion
         order. Items: exactly one of `prompts`, `input_ids` or `messages` (chats of
         OpenAI-style messages, rendered by the model's chat template; a content may be a
         list of text and image_url parts, see chat.py). `sampling_params`: one object for all
         items (its seed is the job seed unless `seed` is given) or one per item (an item's
-        own seed makes its samples independent of where it sits)."""
+        own seed makes its samples independent of where it sits). `lora`: a loaded LoRA
+        adapter's name to run them under (None: the base model)."""
         if sum(x is not None for x in (prompts, input_ids, messages)) != 1:
             raise ValueError("give exactly one of prompts, input_ids or messages")
         if isinstance(prompts, str):
@@ -258,13 +277,14 @@ class Engine:
             raise ValueError("prompts: the batch is empty")
         items = [(i, x, None) if input_ids is None else (i, None, x) for i, x in enumerate(src)]
         sp, seed = per_item(sampling_params, len(items), seed)
-        events = self._run(items, sp, seed)
+        slot = self.lora_slot(lora)  # an unknown adapter refused before anything is queued
+        events = self._run(items, sp, seed, lora if slot else None)
         return events if stream else self._gather(events, len(items))
 
-    def _run(self, items, sp, seed) -> Iterator[Event]:
+    def _run(self, items, sp, seed, lora: str | None = None) -> Iterator[Event]:
         tag = object()
         box: list[Event] = []
-        self.add(tag, items, sp, seed, sink=box.append)
+        self.add(tag, items, sp, seed, sink=box.append, lora=lora)
         want = sum(p.n for p in sp)
         done = 0
         try:

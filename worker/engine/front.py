@@ -90,20 +90,21 @@ class Front:
     # -- fan-out -----------------------------------------------------------------
 
     def add(self, tag: object, items: list[tuple], params, seed: int | None,
-            sink: Sink | None, owner: object = None) -> int:
+            sink: Sink | None, owner: object = None, lora: int = 0) -> int:
         """items: (index, prompt or None, input_ids or None), a prompt being a text or a chat
         (a list of messages); params: one SamplingParams for all or one per item (see
         sampling_params.per_item). Texts and chats are encoded on the text intake's thread, a
         chat with images once the image intake has loaded them; feed() fans them out.
         `owner` (default: the tag): whose fair share of the engine the requests use when
-        several owners' requests compete (scheduler.py). Returns the job seed used."""
+        several owners' requests compete (scheduler.py); `lora` the adapter slot they run under
+        (lora.py; 0: the base model). Returns the job seed used."""
         params, seed = per_item(params, len(items), seed)
         if seed is None:
             seed = secrets.randbits(63)
         for index, prompt, ids in items:
             if (prompt is None) == (ids is None):
                 raise ValueError(f"items[{index}]: give exactly one of prompt or input_ids")
-        call = Call(tag, tag if owner is None else owner, next(self._ids), seed, sink)
+        call = Call(tag, tag if owner is None else owner, next(self._ids), seed, sink, lora)
         urls = [self.chats.image_urls(prompt) for _, prompt, _ in items]
         self.intake.put([Pending(call, index, chat, p)
                          for (index, chat, _), p, u in zip(items, params, urls) if u])
@@ -151,7 +152,7 @@ class Front:
             reqs = [Req(rid=f"{group}.{index}.{j}", input_ids=ids, params=p,
                         seed=derive_seed(call.seed, index, j) if p.seed is None else item_seed(p.seed, j),
                         eos_ids=self.eos_ids, tag=call.tag, owner=call.owner, index=index, sample=j,
-                        grammar=matchers[j], images=spans) for j in range(p.n)]
+                        grammar=matchers[j], images=spans, lora=call.lora) for j in range(p.n)]
             made += reqs
             # Image positions have no text to give the first output tokens context.
             text_ids = [t for t in ids if t < self.vocab_size] if spans else ids
@@ -169,7 +170,7 @@ class Front:
                     warm = Req(rid=f"{group}.{index}.w", input_ids=ids,
                                params=SamplingParams(max_new_tokens=0, prompt_logprobs=p.prompt_logprobs),
                                seed=0, tag=call.tag,
-                               owner=call.owner, images=spans)
+                               owner=call.owner, images=spans, lora=call.lora)
                     by_prompt[key] = _Warmup(warm, [], sink)
                 by_prompt[key].samples.extend(reqs)
             else:

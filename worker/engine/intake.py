@@ -38,6 +38,7 @@ class Call:
     group: int  # its rids' prefix
     seed: int  # the job seed
     sink: Callable | None
+    lora: int = 0  # the LoRA adapter's slot its requests run under (lora.py); 0: the base model
 
 
 @dataclass(slots=True)

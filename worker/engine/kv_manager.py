@@ -59,7 +59,7 @@ class KVManager:
         if row is None:
             return False
         req.req_pool_idx = row
-        slots, node = self.cache.match_prefix(req.tokens(0, req.max_prefix))
+        slots, node = self.cache.match_prefix(req.tokens(0, req.max_prefix), req.lora)
         n = 0 if slots is None else len(slots)
         if n:
             self.table[row, :n] = slots
@@ -143,10 +143,10 @@ class KVManager:
             return
         row = req.req_pool_idx
         ids = req.tokens(0, aligned)
-        already, node = self.cache.insert(ids, self.table[row, :aligned])
+        already, node = self.cache.insert(ids, self.table[row, :aligned], req.lora)
         if already > req.prefix_len:  # another request cached some of it since: take the tree's pages
             self.alloc.free(self._pages(row, req.prefix_len, already))
-            self.table[row, :aligned] = self.cache.match_prefix(ids)[0]
+            self.table[row, :aligned] = self.cache.match_prefix(ids, req.lora)[0]
         # (otherwise the row already holds the tree's slots: its borrowed prefix, then its own)
         self.cache.lock(node)
         self.cache.unlock(req.last_node)

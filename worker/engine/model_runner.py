@@ -5,7 +5,7 @@ Sizing on a GPU: after the weights are loaded, a warm-up forward of `max_prefill
 tokens (logits for every one of them: the largest step the scheduler can run) measures peak
 activation memory, and an eager run of the largest padded decode batch estimates what the
 CUDA graphs will hold. The KV pool gets `kv_memory_fraction` of the memory still free once
-those two are set aside.
+those two, and the most the LoRA adapter slots can hold (lora.py), are set aside.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from .cuda_graph import CudaGraphRunner, batch_sizes
 from .host_memory import keep_freed_blocks
 from .kernels import cpu_linear
 from .kv_pool import KVPool, ReqToTokenPool
+from .lora import Loras, parse_specs
 from .models.loader import load_model, resolve_dtype
 
 log = logging.getLogger("fanout.engine")
@@ -58,10 +59,19 @@ class ModelRunner:
                 log.warning("CUDA graphs off: the %s attention backend cannot be captured",
                             type(self.attn).__name__)
         self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        # LoRA adapters: slots reserved at their bound, the adapters given loaded now.
+        self.loras: Loras | None = None
+        if cfg.lora_slots:
+            self.loras = Loras(self.model, cfg.lora_slots, cfg.max_lora_rank)
+            self.mem["loras"] = self.loras.bound_bytes()
+            for name, path in parse_specs(cfg.lora):
+                a = self.loras.load(name, path)
+                log.info("LoRA adapter %s (rank %d, %s) from %s: %.1f MiB", name, a.rank, ", ".join(a.targets),
+                         path, a.bytes / MiB)
         if self.device.type == "cpu":
             keep_freed_blocks()  # activations reused from the heap, not page-faulted anew
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.load():
-            self.model.pack_weights()  # the C matmul kernel's panels (fp32 only)
+            self.model.pack_weights(fuse_mlp=self.loras is None)  # the C matmul kernel's panels (fp32 only)
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0
@@ -125,7 +135,7 @@ class ModelRunner:
         del kv, rtt
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(dev)[0]
-        spare = free - table_bytes - self.mem["activations"] - self.mem["graphs_estimate"]
+        spare = free - table_bytes - self.mem["activations"] - self.mem["graphs_estimate"] - self.mem.get("loras", 0)
         log.info("GPU memory: %.0f MiB free after weights (%.0f MiB); warm-up activations "
                  "%.0f MiB, CUDA graphs about %.0f MiB; KV gets %.0f%% of the rest",
                  free / MiB, self.mem["weights"] / MiB, self.mem["activations"] / MiB,
@@ -174,14 +184,20 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logits_idx), vocab] in float32: from a CUDA graph for a decode
         batch that fits one (a view valid until the next forward), else eagerly."""
-        if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.run(fb)
+        if self.graphs is not None and fb.lora is None and self.graphs.can_run(fb):
+            return self.graphs.run(fb)  # (captured without adapters: a batch with them runs eagerly)
         return self.forward_eager(fb)
 
     @torch.inference_mode()
     def forward_eager(self, fb: ForwardBatch) -> torch.Tensor:
         fb.attn, fb.attn_meta = self.attn, self.attn.prepare(fb)
-        return self.run_model(fb)
+        if self.loras is None:
+            return self.run_model(fb)
+        self.loras.current = fb.lora
+        try:
+            return self.run_model(fb)
+        finally:
+            self.loras.current = None
 
     def run_model(self, fb: ForwardBatch) -> torch.Tensor:
         """The model and its logits on a batch whose attention metadata is prepared (eagerly,

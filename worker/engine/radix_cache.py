@@ -6,6 +6,10 @@ leaves are evicted least-recently-used first, their pages handed back to the cal
 (KVManager, which frees them: the tree never touches the allocator).
 Pages owned by the tree are "cached"; locked ones are "protected", the rest "evictable".
 
+One tree per namespace (`ns`, a root each): KV computed under one LoRA adapter (its slot,
+lora.py; 0 the base model) is never a prefix for another's requests, whose projections
+differ. Eviction is over every tree.
+
 Eviction does not walk the tree: a heap holds the evictable leaves (unlocked, childless) by
 last access, kept as the tree changes. An entry is pushed whenever a node may have become an
 evictable leaf or its access time moved while it is one (insert, a match, unlock, the
@@ -39,8 +43,7 @@ class RadixCache:
     def __init__(self, page_size: int, enabled: bool = True):
         self.page_size = page_size
         self.enabled = enabled
-        self.root = TreeNode()
-        self.root.lock_ref = 1  # never evicted
+        self.roots: dict[int, TreeNode] = {}  # ns -> its tree's root (root(ns))
         self._clock = itertools.count(1)
         self.cached_pages = 0
         self.protected_pages = 0
@@ -49,9 +52,16 @@ class RadixCache:
         self.nodes = 0  # in the tree, root excluded
         self.evict_pops = 0  # heap entries looked at by evict, over the cache's life (tests count them)
 
+    def root(self, ns: int = 0) -> TreeNode:
+        node = self.roots.get(ns)
+        if node is None:
+            node = self.roots[ns] = TreeNode()
+            node.lock_ref = 1  # never evicted
+        return node
+
     def _push(self, node: TreeNode) -> None:
         """Give node a live heap entry if it is an evictable leaf now."""
-        if node.lock_ref == 0 and not node.children and node is not self.root:
+        if node.lock_ref == 0 and not node.children and node.parent is not None:
             node.heap_seq = next(self._seq)
             heapq.heappush(self._heap, (node.last_access, node.heap_seq, node))
             if len(self._heap) > 2 * self.nodes + 64:
@@ -84,9 +94,10 @@ class RadixCache:
                 n += 1
         return n - n % self.page_size
 
-    def match_prefix(self, ids: list[int]) -> tuple[torch.Tensor | None, TreeNode]:
-        """Longest cached page-aligned prefix of ids: (slots or None, last matched node)."""
-        node, i, parts = self.root, 0, []
+    def match_prefix(self, ids: list[int], ns: int = 0) -> tuple[torch.Tensor | None, TreeNode]:
+        """Longest cached page-aligned prefix of ids in namespace ns: (slots or None, last
+        matched node)."""
+        node, i, parts = self.root(ns), 0, []
         if not self.enabled:
             return None, node
         now = next(self._clock)
@@ -114,15 +125,15 @@ class RadixCache:
         upper.children[self._child_key(node.key, 0)] = node
         return upper
 
-    def insert(self, ids: list[int], slots: torch.Tensor) -> tuple[int, TreeNode]:
-        """Insert a page-aligned prefix. Returns how many leading tokens were already cached
+    def insert(self, ids: list[int], slots: torch.Tensor, ns: int = 0) -> tuple[int, TreeNode]:
+        """Insert a page-aligned prefix in namespace ns. Returns how many leading tokens were already cached
         (the caller owns, and must free, its own slots for those tokens unless they are the
         very slots it borrowed from the tree) and the node that ends at ids' last token (the
         one match_prefix(ids) would return)."""
         assert len(ids) % self.page_size == 0 and len(ids) == len(slots)
         if not self.enabled:
-            return 0, self.root
-        node, i = self.root, 0
+            return 0, self.root(ns)
+        node, i = self.root(ns), 0
         now = next(self._clock)
         while i < len(ids):
             child = node.children.get(self._child_key(ids, i))
@@ -143,14 +154,14 @@ class RadixCache:
         return i, node
 
     def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to its root
             if node.lock_ref == 0:
                 self.protected_pages += len(node.key) // self.page_size
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0
             if node.lock_ref == 0:
@@ -178,11 +189,11 @@ class RadixCache:
         return freed
 
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root:
+            if node.parent is not None:
                 yield node
 
     def check(self) -> None:

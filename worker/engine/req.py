@@ -38,6 +38,9 @@ class Req:
     # Images in the prompt, in position order; their positions in input_ids hold the image's
     # pad id (the radix cache key), the model replaces them with the image's features.
     images: list[ImageSpan] = field(default_factory=list)
+    # The LoRA adapter it runs under: its slot in the engine's adapters (lora.py), 0 for the
+    # base model. Also its prefix cache namespace (radix_cache.py).
+    lora: int = 0
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -36,13 +36,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 class Linear(nn.Linear):
     packed: cpu_linear.Panels | None = None
+    lora = None  # its LoRA adapters' products (lora.Lora), when the engine serves adapters
 
     def pack(self) -> None:
         self.packed = cpu_linear.pack(self.weight)
         self.weight = None  # the packed copy replaces it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        out = linear(x, self.weight, self.bias, self.packed)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 class RMSNorm(nn.Module):
@@ -190,17 +192,18 @@ class CausalLM(nn.Module):
             return linear(hidden, self.embed_tokens.weight, None, self.tied_head).float()
         return self.lm_head(hidden).float()
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, fuse_mlp: bool = True) -> None:
         """Every matmul from the kernel's panels (see the module docstring; the caller checks
         cpu_linear.load()); tied embeddings get a packed copy for the lm_head, the lookup
         keeps the dense table. The norms, RoPE and K/V stores go through cpu_pointwise where
-        it builds (not under qk_norm, which comes between the projection and RoPE)."""
+        it builds (not under qk_norm, which comes between the projection and RoPE).
+        `fuse_mlp` False keeps gate and up one plain product (LoRA adapters add to each)."""
         if cpu_pointwise.load():
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
                 layer.self_attn.fused = not self.cfg.qk_norm
             self.norm.fused = True
-        for m in [m for m in self.modules() if isinstance(m, MLP)]:
+        for m in [m for m in self.modules() if isinstance(m, MLP)] if fuse_mlp else []:
             m.pack()  # first: it takes gate_up_proj apart
         for m in self.modules():
             if isinstance(m, Linear):

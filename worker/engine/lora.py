@@ -1,0 +1,257 @@
+"""LoRA adapters in PEFT's format on the engine's model, batched: requests of different
+adapters and of the base model run in the same step.
+
+An adapter is a folder with `adapter_config.json` (r, lora_alpha, target_modules, ...) and
+`adapter_model.safetensors` (`...layers.N.self_attn.q_proj.lora_A.weight` [r, in] and
+`lora_B.weight` [out, r]). Each adapter takes a slot, 1..max_loras (0 is the base model);
+a request's slot is `Req.lora`. Each targeted projection of the model (a `Linear` of
+models/llama.py: q/k/v are slices of the fused qkv_proj, gate/up of gate_up_proj) gets a
+`Lora` holding, per slot, the adapter's A (the sub-projections' stacked: [sum r, in]) and
+its B per sub-projection with the scaling folded in ([out, r] * alpha / r, or / sqrt(r)
+with rsLoRA).
+
+A step's `LoraBatch` names, for each slot other than 0 that runs in it, the rows of [T] its
+requests' tokens hold. The model runner sets `Loras.current` to it for the forward (the
+thread that runs the forward alone reads it); each targeted projection then adds, for each
+slot, (x[rows] @ A.T) @ B.T to its rows' slice of the output: segmented, one gather and two
+small products per slot (what Punica's SGMV does in one kernel on a GPU). A batch with no
+adapter row costs nothing more.
+
+Invariants: a slot's weights are in every Lora it targets before any request names the
+slot (load() is done before it returns the slot); the prefix cache keys KV by slot
+(radix_cache.py), so no prefix computed under one adapter serves another.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+# PEFT's module names -> (the engine's projection, the sub-projection's index in it).
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+           "down_proj": ("mlp.down_proj", 0)}
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served: the message names the adapter and the reason."""
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    segments: list[tuple[int, torch.Tensor]]  # (slot, rows of [T] as int64), slots != 0 only
+
+
+class Lora:
+    """One projection's adapters: `subs` its sub-projections' output slices; per slot the
+    stacked A and, per sub-projection it targets, (lo, hi, a0, a1, B): out[:, lo:hi] gets
+    xA[:, a0:a1] @ B.T."""
+
+    def __init__(self, owner: "Loras", subs: list[tuple[int, int]]):
+        self.owner = owner
+        self.subs = subs
+        self.slots: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]] = {}
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        batch = self.owner.current
+        if batch is None:
+            return out
+        for slot, rows in batch.segments:
+            w = self.slots.get(slot)
+            if w is None:
+                continue
+            a, parts = w
+            xa = x.index_select(0, rows) @ a.t()
+            for lo, hi, a0, a1, b in parts:
+                out[:, lo:hi].index_add_(0, rows, xa[:, a0:a1] @ b.t())
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    name: str
+    path: str
+    slot: int
+    rank: int
+    targets: tuple[str, ...]  # PEFT's module names
+    bytes: int  # its weights in memory
+
+
+class Loras:
+    """The adapters one engine serves, by name and slot (see the module docstring)."""
+
+    def __init__(self, model, max_loras: int, max_rank: int):
+        from .models.llama import CausalLM, Linear
+
+        if type(model) is not CausalLM:
+            raise LoraError(f"LoRA adapters: not on {type(model).__name__} (text models of the Llama "
+                            "family only)")
+        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.adapters: dict[str, Adapter] = {}
+        self.current: LoraBatch | None = None
+        cfg = model.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        splits = {"self_attn.qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+                  "self_attn.o_proj": [(0, cfg.hidden_size)],
+                  "mlp.gate_up_proj": [(0, inter), (inter, 2 * inter)],
+                  "mlp.down_proj": [(0, cfg.hidden_size)]}
+        self.layers: list[dict[str, Lora]] = []
+        for layer in model.layers:
+            mods = {}
+            for path, subs in splits.items():
+                linear = layer.get_submodule(path)
+                assert isinstance(linear, Linear), path
+                linear.lora = mods[path] = Lora(self, subs)
+            self.layers.append(mods)
+        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.embed_tokens.weight.device
+
+    def bound_bytes(self) -> int:
+        """The most memory max_loras adapters of max_rank on every projection take."""
+        cfg = self.model.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        per_rank = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # A and B of each target
+        return self.max_loras * self.max_rank * per_rank * cfg.num_layers * self.dtype.itemsize
+
+    def slot(self, name: str | None) -> int:
+        """A request's slot: 0 for None (the base model). KeyError naming the served ones."""
+        if name is None:
+            return 0
+        a = self.adapters.get(name)
+        if a is None:
+            raise KeyError(f"no LoRA adapter {name!r} here (served: {', '.join(sorted(self.adapters)) or 'none'})")
+        return a.slot
+
+    def load(self, name: str, path: str) -> Adapter:
+        """Read the adapter at `path` (PEFT's format) into a free slot under `name`."""
+        if name in self.adapters:
+            raise LoraError(f"LoRA adapter {name!r}: the name is taken")
+        used = {a.slot for a in self.adapters.values()}
+        free = [s for s in range(1, self.max_loras + 1) if s not in used]
+        if not free:
+            raise LoraError(f"LoRA adapter {name!r}: {self.max_loras} adapters are loaded already "
+                            "(max_loras)")
+        cfg = _config(name, path)
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        if not 0 < r <= self.max_rank:
+            raise LoraError(f"LoRA adapter {name!r}: rank {r} is over max_lora_rank {self.max_rank}")
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        weights = _weights(name, path, len(self.model.layers))
+        targets = sorted({t for (_, t) in weights})
+        slot, size = free[0], 0
+        staged: list[tuple[Lora, tuple]] = []
+        for i, mods in enumerate(self.layers):
+            for path_, lora in mods.items():
+                subs = [(k, t) for t, (p, k) in TARGETS.items() if p == path_ and (i, t) in weights]
+                if not subs:
+                    continue
+                a = torch.cat([weights[i, t][0] for _, t in subs]).to(self.device, self.dtype)
+                parts, a0 = [], 0
+                for k, t in subs:
+                    lo, hi = lora.subs[k]
+                    wa, wb = weights[i, t]
+                    if wa.shape != (r, self._in(path_)) or wb.shape != (hi - lo, r):
+                        raise LoraError(f"LoRA adapter {name!r}: layer {i} {t}: A {tuple(wa.shape)}, B "
+                                        f"{tuple(wb.shape)} do not fit the model ({r} x {self._in(path_)}, "
+                                        f"{hi - lo} x {r})")
+                    b = (wb.to(torch.float32) * scaling).to(self.device, self.dtype)
+                    parts.append((lo, hi, a0, a0 + r, b))
+                    a0 += r
+                    size += (wa.numel() + wb.numel()) * self.dtype.itemsize
+                staged.append((lora, (a, parts)))
+        for lora, w in staged:  # all checked: the slot is filled, then named
+            lora.slots[slot] = w
+        adapter = Adapter(name, path, slot, r, tuple(targets), size)
+        self.adapters[name] = adapter
+        return adapter
+
+    def _in(self, path: str) -> int:
+        cfg = self.model.cfg
+        return {"self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.num_heads * cfg.head_dim,
+                "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size}[path]
+
+    @staticmethod
+    def batch(slots: list[int], extend_lens: list[int], device) -> LoraBatch | None:
+        """The step's segments: requests' slots and new-token counts, in batch order."""
+        if not any(slots):
+            return None
+        rows: dict[int, list[int]] = {}
+        t = 0
+        for slot, n in zip(slots, extend_lens):
+            if slot:
+                rows.setdefault(slot, []).extend(range(t, t + n))
+            t += n
+        return LoraBatch([(s, torch.tensor(r, dtype=torch.int64).to(device, non_blocking=True))
+                          for s, r in sorted(rows.items())])
+
+
+def parse_specs(specs: list[str] | None) -> list[tuple[str, str]]:
+    """`NAME=PATH` entries -> (name, path); ValueError naming a malformed one."""
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora: {spec!r} is not NAME=PATH")
+        out.append((name.strip(), path.strip()))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora: a name is given twice ({', '.join(names)})")
+    return out
+
+
+def _config(name: str, path: str) -> dict:
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read {path}/adapter_config.json: {e}") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"LoRA adapter {name!r}: peft_type {cfg['peft_type']} (LORA only)")
+    unsupported = {"use_dora": cfg.get("use_dora"), "fan_in_fan_out": cfg.get("fan_in_fan_out"),
+                   "modules_to_save": cfg.get("modules_to_save"), "rank_pattern": cfg.get("rank_pattern"),
+                   "alpha_pattern": cfg.get("alpha_pattern"), "layers_to_transform": cfg.get("layers_to_transform")}
+    if cfg.get("bias", "none") != "none":
+        unsupported["bias"] = cfg["bias"]
+    given = [k for k, v in unsupported.items() if v]
+    if given:
+        raise LoraError(f"LoRA adapter {name!r}: {', '.join(given)} not supported")
+    return cfg
+
+
+def _weights(name: str, path: str, num_layers: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, PEFT module name) -> (A, B), from adapter_model.safetensors; LoraError for a
+    weight on a module the engine cannot adapt (embeddings, lm_head, ...)."""
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(file):
+        raise LoraError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(file, "pt") as f:
+        for key in f.keys():
+            parts = key.split(".")
+            if "lora_A" in parts or "lora_B" in parts:
+                ab = "A" if "lora_A" in parts else "B"
+                module = parts[parts.index(f"lora_{ab}") - 1]
+            else:
+                raise LoraError(f"LoRA adapter {name!r}: weight {key} is not a LoRA A or B")
+            if module not in TARGETS or "layers" not in parts:
+                raise LoraError(f"LoRA adapter {name!r}: {key}: the module {module} cannot take an "
+                                f"adapter here ({', '.join(TARGETS)} of the decoder layers)")
+            layer = int(parts[parts.index("layers") + 1])
+            if not 0 <= layer < num_layers:
+                raise LoraError(f"LoRA adapter {name!r}: {key}: no layer {layer}")
+            found.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+    out = {}
+    for k, ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter {name!r}: layer {k[0]} {k[1]} has lora_{''.join(ab)} only")
+        out[k] = (ab["A"], ab["B"])
+    if not out:
+        raise LoraError(f"LoRA adapter {name!r}: no LoRA weights in {file}")
+    return out
