@@ -98,19 +98,20 @@ class Planned:
     lay: items.Layout
     task: str = "generate"  # jobs.spec.TASKS: what kind of worker runs it
     embed: EmbedParams | None = None  # an embedding job's parameters
-    model: str = ""  # the served name it runs on: its shards go to that model's queues
+    model: str = ""  # the served name it runs on (a LoRA adapter's, or a base model's)
+    base: str = ""  # the model whose queues its shards go to (a LoRA adapter's base; "": looked up)
 
     @classmethod
-    def of(cls, spec: JobSpec, settings: Settings, model: str) -> "Planned":
+    def of(cls, spec: JobSpec, settings: Settings, model: fleet.Model) -> "Planned":
         return cls(spec.kind, progress.Ns.of(p.n for p in spec.sampling_params),
                    sum(p.n * p.max_new_tokens for p in spec.sampling_params), spec.seed, spec.custom_ids,
-                   items.layout(spec, settings), spec.task, spec.embed, model)
+                   items.layout(spec, settings), spec.task, spec.embed, model.name, model.base)
 
 
-def model_of(redis, req: JobRequest) -> str:
+def model_of(redis, req: JobRequest) -> fleet.Model:
     """The model a request's job runs on: the one it names, or the fleet's one model of its
     task. Raises jobs.models.ModelError (unknown, another task's, or none named among several)."""
-    return fleet.resolve(redis, req.model, req.task).name
+    return fleet.resolve(redis, req.model, req.task)
 
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
@@ -154,10 +155,11 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             run_at = run_at.replace(microsecond=0) + timedelta(seconds=1)
         status = "scheduled" if run_at else "queued"
         wait = max(0, int((run_at - datetime.now(timezone.utc)).total_seconds())) if run_at else 0
-        q = queue(redis, planned.model, priority)
+        base = planned.base or _base(redis, planned.model)
+        q = queue(redis, base, priority)
         info = {"total": size, "samples": ns.samples, "ns": ns.encode(), "seed": planned.seed,
                 "priority": priority, "metadata": json.dumps(metadata or {}), "state": status,
-                "created_at": progress.timestamp(), "task": planned.task, "model": planned.model}
+                "created_at": progress.timestamp(), "task": planned.task, "model": planned.model, "base": base}
         if planned.embed is not None:
             info["embed"] = planned.embed.model_dump_json(exclude_none=True)
         if run_at:
@@ -295,6 +297,12 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
         "shards": shard_counts(redis, job_id, status),
     }
+
+
+def _base(redis, model: str) -> str:
+    """The model whose queues a job for `model` goes to: a LoRA adapter's base, else itself."""
+    m = fleet.get(redis, model)
+    return model if m is None else m.base
 
 
 def waiting(redis, model: str | None) -> str | None:

@@ -78,7 +78,7 @@ def submit(req: JobRequest, request: Request, response: Response,
     runs when a worker takes it."""
     st, tenant = _state(request), request.state.tenant
     try:
-        req = req.model_copy(update={"model": jobs.model_of(st.redis, req)})
+        req = req.model_copy(update={"model": jobs.model_of(st.redis, req).name})
     except fleet.ModelError as e:
         raise HTTPException(e.status, e.message) from None
     f = _dataset_file(st, req, tenant) if req.input_file_id is not None else None

@@ -110,7 +110,7 @@ def _load(redis, model: str):
 
 def _tokenize(redis, req: TokenizeRequest) -> dict:
     model = model_named(redis, req.model)
-    tok, lock = tokenizer(redis, model.name)
+    tok, lock = tokenizer(redis, model.base)  # a LoRA adapter's: its base's
     with lock:
         if req.prompt is not None:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens is not False)["input_ids"]
@@ -131,7 +131,7 @@ def _tokenize(redis, req: TokenizeRequest) -> dict:
 
 
 def _detokenize(redis, req: DetokenizeRequest) -> dict:
-    tok, lock = tokenizer(redis, model_named(redis, req.model).name)
+    tok, lock = tokenizer(redis, model_named(redis, req.model).base)
     size = len(tok)
     for i, t in enumerate(req.tokens):
         if t >= size:
@@ -145,7 +145,7 @@ def _info(redis, model: str | None) -> dict:
     """What a client needs to tokenize as the engine does (lm-eval's remote tokenizer reads
     it): the tokenizer's class, special tokens and chat template."""
     model = model_named(redis, model)
-    tok, lock = tokenizer(redis, model.name)
+    tok, lock = tokenizer(redis, model.base)  # a LoRA adapter's: its base's
     with lock:
         return {"tokenizer_class": type(tok).__name__, "model": model.name,
                 **{f"{name}_token": getattr(tok, f"{name}_token") for name in ("bos", "eos", "pad", "unk")},

@@ -105,6 +105,7 @@ def cmd_worker(args) -> None:
     from worker.embedder import Embedder
     from worker.embedder.layout import is_embedding_model
     from worker.engine import Engine, freeze_gc
+    from worker.engine.lora import parse_specs
     from worker.engine.models.loader import resolve_model_path
 
     logs.setup()
@@ -113,8 +114,11 @@ def cmd_worker(args) -> None:
     settings = Settings.from_env()
     name = args.served_model_name or served_name(args.model)
     embedding = is_embedding_model(resolve_model_path(args.model))  # sentence-transformers' layout
-    try:  # jobs for the model are taken (and wait, queued) while it loads
-        models.announce_loading(redis_url.connect(args.redis_url), name, "embed" if embedding else "generate")
+    try:  # jobs for the model (and its LoRA adapters) are taken, and wait queued, while it loads
+        conn = redis_url.connect(args.redis_url)
+        models.announce_loading(conn, name, "embed" if embedding else "generate")
+        for adapter, _ in parse_specs(args.lora):
+            models.announce_loading(conn, adapter, "generate", parent=name)
     except redis.RedisError as e:
         logging.getLogger("fanout.worker").warning("cannot announce %s as loading: %s", name, e)
     if embedding:

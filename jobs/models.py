@@ -14,7 +14,11 @@ A model is, at one moment:
 - unknown: none of these. A job naming it is refused (404, naming the served ones).
 
 A job for a known model waits, queued, whatever state its workers are in: its shards sit in
-the model's queues (jobs.spec.queues) until a worker serving it takes them.
+the model's queues (jobs.spec.queues) until a worker serving it takes them. A LoRA adapter is
+a model whose entry names its `parent`, the base its workers serve: its jobs go to the
+base's queues, so they interleave with the base's as any jobs of one model do (every worker
+of a base model should serve the same adapters: one that lacks a job's adapter hands the
+shard on, as a failed attempt).
 """
 from __future__ import annotations
 
@@ -45,6 +49,16 @@ class Model:
     @property
     def live(self) -> bool:
         return self.state == "live"
+
+    @property
+    def parent(self) -> str | None:
+        """A LoRA adapter's base model (whose workers serve it and whose queues it uses)."""
+        return self.entry.get("parent")
+
+    @property
+    def base(self) -> str:
+        """The model whose queues its jobs go to: its own, or a LoRA adapter's base's."""
+        return self.parent or self.name
 
 
 def configured() -> dict[str, str]:
@@ -106,16 +120,24 @@ return 1
 """
 
 
-def announce_loading(redis, name: str, task: str) -> bool:
-    """Before a worker loads its weights: its model is known, loading. False if it is live."""
+def announce_loading(redis, name: str, task: str, parent: str | None = None) -> bool:
+    """Before a worker loads its weights: its model (or a LoRA adapter of it, `parent` the
+    base) is known, loading. False if it is live."""
     now = time.time()
     entry = {"loading": True, "task": task, "created": int(now), "expires": now + LOADING_S}
+    if parent is not None:
+        entry["parent"] = parent
     return bool(redis.eval(_LOADING, 1, keys.models(), name, json.dumps(entry), now))
 
 
-def announce(pipe, name: str, created: int, ttl: float, served: dict) -> None:
-    """A worker's heartbeat of its model's entry (in the beat's pipeline)."""
-    pipe.hset(keys.models(), name, json.dumps({"created": created, "expires": time.time() + ttl, **served}))
+def announce(pipe, name: str, created: int, ttl: float, served: dict, adapters: list[str] = ()) -> None:
+    """A worker's heartbeat of its model's entry, and of its LoRA adapters' (each a model of
+    its own whose `parent` is the base), in the beat's pipeline."""
+    expires = time.time() + ttl
+    pipe.hset(keys.models(), name, json.dumps({"created": created, "expires": expires, **served}))
+    for adapter in adapters:
+        pipe.hset(keys.models(), adapter, json.dumps({"created": created, "expires": expires, **served,
+                                                      "parent": name}))
 
 
 def waiting(model: Model | None, name: str) -> str | None:

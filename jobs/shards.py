@@ -295,8 +295,9 @@ def _counters(raw: dict) -> dict[str, int]:
 
 
 def queue_of(info: dict) -> str:
-    """The queue of a job's shards, from its (decoded) info: its model's, at its priority."""
-    return queue_name(info["model"], info.get("priority") or "normal")
+    """The queue of a job's shards, from its (decoded) info: its model's (a LoRA adapter's
+    base's), at its priority."""
+    return queue_name(info.get("base") or info["model"], info.get("priority") or "normal")
 
 
 def _release(redis, pipe, job_id: str, c: dict[str, int], running: int, queue: str, timeout) -> None:
@@ -450,11 +451,11 @@ def drop_queued(redis, job_id: str) -> None:
     one meanwhile finds it gone and skips it."""
     released = counters(redis, job_id).get("released", 0)
     running = {int(k) for k in redis.hkeys(keys.running(job_id))}
-    model, priority = redis.hmget(keys.info(job_id), "model", "priority")
+    model, base, priority = redis.hmget(keys.info(job_id), "model", "base", "priority")
     if model is None:  # never queued: a dataset job canceled while validating
         return
-    q = Queue(queue_of({"model": _text(model), "priority": _text(priority)}), connection=redis,
-              serializer=JSONSerializer)
+    q = Queue(queue_of({"model": _text(model), "base": _text(base), "priority": _text(priority)}),
+              connection=redis, serializer=JSONSerializer)
     with redis.pipeline(transaction=False) as pipe:
         for k in range(released):
             if k not in running:

@@ -6,38 +6,24 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from worker.engine import Engine, SamplingParams
 from worker.engine.lora import LoraError
-from worker.engine.models.tiny import build_tiny_model
+from worker.engine.models.tiny import build_tiny_lora, build_tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 7, 300, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 NEW = 10
-
-
-def make_adapter(base: str, out: str, seed: int, **kw) -> str:
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **kw)
-    model = get_peft_model(hf, cfg)
-    with torch.no_grad():  # large enough deltas that an adapter changes the greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = build_tiny_model(str(root / "base"), arch="llama")
-    a = make_adapter(base, str(root / "a"), 1, r=8, lora_alpha=16,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    b = make_adapter(base, str(root / "b"), 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj",
-                                                                                                     "down_proj"])
+    a = build_tiny_lora(base, str(root / "a"), 1, r=8, lora_alpha=16)  # every projection
+    b = build_tiny_lora(base, str(root / "b"), 2, r=4, lora_alpha=8, use_rslora=True,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
     return {"base": base, "a": a, "b": b, "root": root}
 
 

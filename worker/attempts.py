@@ -120,6 +120,13 @@ class Attempts:
             self.fail(a, f"a {task} job's shard reached a worker that runs {self.engine.task} jobs",
                       retry=False, abort=False)
             return
+        # A LoRA adapter's job comes through its base's queues (jobs/models.py).
+        lora = c.info.get("model")
+        lora = None if lora in (None, m.model) else lora
+        if lora is not None and lora not in self.engine.adapters():
+            self.fail(a, f"worker {self.member.name} serves {m.model} without the LoRA adapter {lora!r} "
+                         "(every worker of a model should serve the same adapters)", abort=False)
+            return
         JobLog(log, c.job_id).info("shard %d (items %d-%d), attempt %d, %d samples stored before",
                                    c.k, c.lo, c.hi - 1, c.attempt, len(c.stored))
         batch = Batch(self.connection)
@@ -144,7 +151,8 @@ class Attempts:
         if todo:
             try:
                 params = todo_params if task == "generate" else spec.embed
-                self.engine.add(a.tag, todo, params, seed=spec.seed, owner=c.job_id)
+                self.engine.add(a.tag, todo, params, seed=spec.seed, owner=c.job_id,
+                                **({"lora": lora} if lora is not None else {}))
             except ValueError as e:  # the job's input: retrying cannot help
                 self.fail(a, f"ValueError: {e}", retry=False)
                 return

@@ -121,7 +121,8 @@ class Member(BaseWorker):
             self.heartbeat(pipeline=pipe)
             for a in running:
                 a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
-            models.announce(pipe, self.model, self._model_since, self.heartbeat_ttl, self.served)
+            models.announce(pipe, self.model, self._model_since, self.heartbeat_ttl, self.served,
+                            self.engine.adapters())
             answers = pipe.execute()
         if answers[len(running)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:

@@ -20,7 +20,7 @@ def served(redis) -> dict[str, dict]:
 
 
 def _card(m: fleet.Model) -> dict:
-    return {"id": m.name, "root": m.name, "created": m.entry.get("created", 0),
+    return {"id": m.name, "root": m.name, "parent": m.parent, "created": m.entry.get("created", 0),
             "max_model_len": m.entry.get("max_model_len")}
 
 

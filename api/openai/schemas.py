@@ -215,6 +215,7 @@ class Model(BaseModel):
     created: int = Field(description="when a worker started serving it (Unix seconds)")
     owned_by: str = "fanout"
     root: str = Field(description="the model it is (here: its id, as vLLM answers for a base model)")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's field); null for a base model")
     max_model_len: int | None = Field(None, description="its context length in tokens (prompt + output)")
 
 

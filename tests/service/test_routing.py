@@ -1,7 +1,9 @@
 """Many models, one fleet: jobs routed by model (jobs/models.py, jobs.spec.queues).
 
-Its own Redis, one API and two workers serving two different random-weight models; a third
-model the API knows (FANOUT_MODELS) but no worker serves until the test starts one."""
+Its own Redis, one API and two workers serving two different random-weight models, the
+first with two LoRA adapters made by peft; a third model the API knows (FANOUT_MODELS) but
+no worker serves until the test starts one. An adapter's outputs are compared with the
+engine's on the same adapter, which tests/test_lora.py compares with transformers + peft."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ from jobs import models as fleet
 from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
 from worker.engine import Engine, SamplingParams
-from worker.engine.models.tiny import build_tiny_model
+from worker.engine.models.tiny import build_tiny_lora, build_tiny_model
 
 PROMPTS = ["the quick brown fox", "a b c d e f", "one two three"]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -29,13 +31,17 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 def fleet_of_two(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("routing")
     other = build_tiny_model(str(root / "qwen"), arch="qwen3", seed=7)
+    adapters = {"a1": build_tiny_lora(model_dir, str(root / "a1"), 1),
+                "a2": build_tiny_lora(model_dir, str(root / "a2"), 2, r=4, lora_alpha=8,
+                                      target_modules=["q_proj", "v_proj", "down_proj"])}
     server = EmbeddedRedis()
     api, url = start_api(server.url, root, "api", env={"FANOUT_MODELS": "late"})
-    workers = {"llama": WorkerProc(server.url, model_dir, root), "qwen": WorkerProc(server.url, other, root)}
+    lora = ["--lora", *(f"{k}={v}" for k, v in adapters.items())]
+    workers = {"llama": WorkerProc(server.url, model_dir, root, args=lora), "qwen": WorkerProc(server.url, other, root)}
     for w in workers.values():
         w.start()
     r = redis_lib.Redis.from_url(server.url)
-    yield {"url": url, "redis": r, "workers": workers, "dirs": {"llama": model_dir, "qwen": other},
+    yield {"url": url, "redis": r, "workers": workers, "dirs": {"llama": model_dir, "qwen": other}, "adapters": adapters,
            "server": server, "root": root, "api": api}
     for w in workers.values():
         if w.proc is not None and w.proc.alive():
@@ -46,11 +52,13 @@ def fleet_of_two(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def engines(fleet_of_two):
-    return {name: Engine(path, device="cpu") for name, path in fleet_of_two["dirs"].items()}
+    out = {name: Engine(path, device="cpu") for name, path in fleet_of_two["dirs"].items()}
+    out["lora"] = Engine(fleet_of_two["dirs"]["llama"], lora=[f"{k}={v}" for k, v in fleet_of_two["adapters"].items()])
+    return out
 
 
-def greedy(engine: Engine, prompts) -> list[list[int]]:
-    items = engine.generate(prompts=prompts, sampling_params=SamplingParams(**GREEDY))
+def greedy(engine: Engine, prompts, lora: str | None = None) -> list[list[int]]:
+    items = engine.generate(prompts=prompts, sampling_params=SamplingParams(**GREEDY), lora=lora)
     return [it.samples[0].token_ids for it in items]
 
 
@@ -72,11 +80,12 @@ def tokens_of(url: str, job_id: str) -> list[list[int]]:
 def test_models_lists_both_and_a_job_names_its_model(fleet_of_two):
     url = fleet_of_two["url"]
     listed = httpx.get(url + "/v1/models").json()["data"]
-    assert sorted(m["id"] for m in listed) == ["llama", "qwen"]  # `late`: known, not served
+    assert [(m["id"], m["parent"]) for m in listed] == [("a1", "llama"), ("a2", "llama"), ("llama", None),
+                                                         ("qwen", None)]  # `late`: known, not served
     r = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS})
-    assert r.status_code == 400 and "several models (llama, qwen)" in r.json()["detail"], r.text
+    assert r.status_code == 400 and "several models (a1, a2, llama, qwen)" in r.json()["detail"], r.text
     r = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": "nope"})
-    assert r.status_code == 404 and "'nope'" in r.json()["detail"] and "llama, qwen" in r.json()["detail"], r.text
+    assert r.status_code == 404 and "'nope'" in r.json()["detail"] and "a1, a2, llama, qwen" in r.json()["detail"], r.text
 
 
 def test_each_models_jobs_run_on_its_workers_alone(fleet_of_two, engines):
@@ -105,6 +114,8 @@ def test_openai_requests_run_on_the_model_they_name(fleet_of_two):
         with pytest.raises(openai.NotFoundError) as e:
             oai.completions.create(model="nope", prompt="x", max_tokens=2)
         assert e.value.code == "model_not_found" and "llama, qwen" in e.value.message
+        c = oai.completions.create(model="a2", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert c.model == "a2" and ran_on(r, c.id.removeprefix("cmpl-")) == {workers["llama"].ref}
 
 
 def test_a_batch_for_a_model_no_worker_serves_yet_waits_and_completes(fleet_of_two, engines):
@@ -187,3 +198,29 @@ def test_fanout_submit_names_the_model(fleet_of_two, engines, tmp_path, capsys):
     assert ran_on(r, job_id) == {workers["qwen"].ref}
     got = [json.loads(x)["samples"][0]["token_ids"] for x in out.read_text().splitlines()]
     assert got == greedy(engines["qwen"], PROMPTS)
+
+
+def test_adapter_jobs_run_on_their_base_models_workers_mixed_with_it(fleet_of_two, engines):
+    """Jobs for the base and both adapters, submitted together: the base's worker runs them
+    (in shared steps), each with its adapter's tokens."""
+    url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
+    params = {**GREEDY, "max_new_tokens": 24}
+    ids = {}
+    for name in ("a1", "a2", "llama"):
+        resp = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": name, "sampling_params": params})
+        assert resp.status_code == 202, resp.text
+        ids[name] = resp.json()["id"]
+    together = 0
+    for name, job_id in ids.items():
+        job = finished(url, job_id)
+        assert job["status"] == "succeeded" and job["model"] == name, job
+        assert ran_on(r, job_id) == {workers["llama"].ref}
+        want = engines["lora"].generate(prompts=PROMPTS, sampling_params=SamplingParams(**params),
+                                        lora=None if name == "llama" else name)
+        assert tokens_of(url, job_id) == [it.samples[0].token_ids for it in want], name
+        together = max(together, job["batching"]["max_batch_jobs"])
+    assert together >= 2  # adapters' and the base's requests shared steps
+    assert greedy(engines["lora"], PROMPTS, "a1") != greedy(engines["lora"], PROMPTS)
+    tok = httpx.post(url + "/tokenize", json={"model": "a1", "prompt": "hi"})  # its base's tokenizer
+    assert tok.status_code == 200 and tok.json()["tokens"] == \
+        httpx.post(url + "/tokenize", json={"model": "llama", "prompt": "hi"}).json()["tokens"]

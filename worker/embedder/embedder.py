@@ -95,6 +95,9 @@ class Embedder:
     def image_schemes(self) -> list[str]:
         return []
 
+    def adapters(self) -> list[str]:
+        return []  # no LoRA adapters on embedding models
+
     def add(self, tag: object, items: list[tuple], params: EmbedParams, seed: int | None = None,
             sink=None, owner: object = None) -> int:
         """Queue items (index, text or None, input_ids or None) under tag; one EmbedParams for

@@ -113,6 +113,10 @@ class Engine:
         model; ValueError for one not loaded). Returns the job seed."""
         return self.front.add(tag, items, sampling_params, seed, sink, owner, self.lora_slot(lora))
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters it serves, by name."""
+        return sorted(self.runner.loras.adapters) if self.runner.loras is not None else []
+
     def lora_slot(self, name: str | None) -> int:
         if name is None:
             return 0

@@ -342,3 +342,26 @@ def _text_settings(text: dict) -> dict:
     if unknown:
         raise TypeError(f"unknown text model arguments: {', '.join(sorted(unknown))}")
     return {**s, **text}
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_lora(base: str, out_dir: str, seed: int, r: int = 8, lora_alpha: float = 16,
+                    target_modules=ALL_PROJECTIONS, scale: float = 4.0, **config) -> str:
+    """A random LoRA adapter of the model at `base`, saved by peft (PEFT's own format):
+    `init_lora_weights=False` draws A and B at random, B then scaled by `scale` so that the
+    adapter changes greedy tokens. `config`: more LoraConfig fields (use_rslora, ...)."""
+    from peft import LoraConfig, get_peft_model  # a test dependency: only what builds adapters needs it
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", r=r, lora_alpha=lora_alpha,
+                                      target_modules=list(target_modules), **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(out_dir)
+    return out_dir
