@@ -107,3 +107,19 @@ def test_bad_adapters_are_refused_naming_why(setup, tmp_path):
         Engine(setup["base"], lora=[f"d={dora}"])
     with pytest.raises(ValueError, match="is not NAME=PATH"):
         Engine(setup["base"], lora=["nameonly"])
+
+
+def test_the_benchmark_runs(setup):
+    """bench/lora.py, small: its rounds report the three rates and the ratios."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "lora.py"), "--model", setup["base"],
+                          "--requests", "8", "--new-tokens", "4", "--rounds", "1", "--rank", "4"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    head, round0, summary = map(json.loads, out.strip().splitlines())
+    assert head["requests"] == 8 and head["adapters"] == 4
+    assert set(round0["tokens_per_s"]) == {"base, plain", "base, LoRA engine", "mixed"}
+    assert all(v > 0 for v in round0["tokens_per_s"].values())
+    assert summary["ratios"] == {k: [v] for k, v in round0["ratio"].items()}

@@ -349,14 +349,17 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def build_tiny_lora(base: str, out_dir: str, seed: int, r: int = 8, lora_alpha: float = 16,
                     target_modules=ALL_PROJECTIONS, scale: float = 4.0, **config) -> str:
-    """A random LoRA adapter of the model at `base`, saved by peft (PEFT's own format):
-    `init_lora_weights=False` draws A and B at random, B then scaled by `scale` so that the
-    adapter changes greedy tokens. `config`: more LoraConfig fields (use_rslora, ...)."""
+    """A random LoRA adapter of the model at `base` (a folder, or a .gguf file), saved by peft
+    (PEFT's own format): `init_lora_weights=False` draws A and B at random, B then scaled by
+    `scale` so that the adapter changes greedy tokens. `config`: more LoraConfig fields
+    (use_rslora, ...)."""
     from peft import LoraConfig, get_peft_model  # a test dependency: only what builds adapters needs it
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+    where = dict(pretrained_model_name_or_path=os.path.dirname(base), gguf_file=os.path.basename(base)) \
+        if base.endswith(".gguf") else dict(pretrained_model_name_or_path=base)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32),
                            LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", r=r, lora_alpha=lora_alpha,
                                       target_modules=list(target_modules), **config))
     with torch.no_grad():
