@@ -66,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fanout-lora-bench-") as folder:  # read at load
         specs = [f"{n}={build_tiny_lora(model, os.path.join(folder, n), k, r=args.rank, lora_alpha=2 * args.rank)}"
                  for k, n in enumerate(names)]
-        plain, lora = Engine(model), Engine(model, lora=specs)
+        plain, lora = Engine(model), Engine(model, lora=specs, max_lora_rank=args.rank)
     texts = prompts(args.requests, 0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     runs = {"base, plain": (plain, [None]), "base, LoRA engine": (lora, [None]), "mixed": (lora, names)}

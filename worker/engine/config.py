@@ -68,7 +68,7 @@ class EngineConfig:
                                    env="FANOUT_LORA")
     max_loras: int | None = _knob(None, "LoRA adapters held at once (their memory reserved; default: "
                                         "as many as --lora gives, 0 without)")
-    max_lora_rank: int = _knob(64, "the highest LoRA rank taken (the slots' memory is reserved at it on a GPU)")
+    max_lora_rank: int = _knob(16, "the highest LoRA rank taken (every slot's memory is allocated at it)")
     image_max_bytes: int = _knob(20 << 20, "largest image file or download taken, in bytes")
     image_fetch_timeout: float = _knob(10.0, "seconds one image download may take")
     image_memory: int = _knob(2 << 30, "bytes of preprocessed images the requests in the engine "

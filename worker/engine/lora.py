@@ -4,18 +4,20 @@ adapters and of the base model run in the same step.
 An adapter is a folder with `adapter_config.json` (r, lora_alpha, target_modules, ...) and
 `adapter_model.safetensors` (`...layers.N.self_attn.q_proj.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r]). Each adapter takes a slot, 1..max_loras (0 is the base model);
-a request's slot is `Req.lora`. Each targeted projection of the model (a `Linear` of
-models/llama.py: q/k/v are slices of the fused qkv_proj, gate/up of gate_up_proj) gets a
-`Lora` holding, per slot, the adapter's A (the sub-projections' stacked: [sum r, in]) and
-its B per sub-projection with the scaling folded in ([out, r] * alpha / r, or / sqrt(r)
-with rsLoRA).
+a request's slot is `Req.lora`. Each projection of the model an adapter may target (a
+`Linear` of models/llama.py: q/k/v are slices of the fused qkv_proj, gate/up of
+gate_up_proj) gets a `Lora` holding every slot's weights, stacked and allocated once at
+their bound (max_loras x max_lora_rank): A [slots, subs x R, in] (each sub-projection's A
+padded with zeros to the max rank R) and per sub-projection B [slots, out, R], the scaling
+folded in (alpha / r, or alpha / sqrt(r) with rsLoRA). Slot 0, the base's, stays zero.
 
 A step's `LoraBatch` names, for each slot other than 0 that runs in it, the rows of [T] its
-requests' tokens hold. The model runner sets `Loras.current` to it for the forward (the
-thread that runs the forward alone reads it); each targeted projection then adds, for each
-slot, (x[rows] @ A.T) @ B.T to its rows' slice of the output: segmented, one gather and two
-small products per slot (what Punica's SGMV does in one kernel on a GPU). A batch with no
-adapter row costs nothing more.
+requests' tokens hold (and each token's slot). The model runner sets `Loras.current` to it
+for the forward (the thread that runs the forward alone reads it); each projection then adds,
+for each slot, (x[rows] @ A.T) @ B.T to its rows' slice of the output: on a CPU segmented in
+torch, one gather and a few small products per slot; on a GPU by kernels/lora.py, per token
+from the stacked weights (Punica's shrink and expand). A batch with no adapter row costs
+nothing more.
 
 Invariants: a slot's weights are in every Lora it targets before any request names the
 slot (load() is done before it returns the slot); the prefix cache keys KV by slot
@@ -45,30 +47,43 @@ class LoraError(ValueError):
 @dataclass(slots=True)
 class LoraBatch:
     segments: list[tuple[int, torch.Tensor]]  # (slot, rows of [T] as int64), slots != 0 only
+    token_slots: torch.Tensor  # [T] int32, each token's slot (0: the base)
 
 
 class Lora:
-    """One projection's adapters: `subs` its sub-projections' output slices; per slot the
-    stacked A and, per sub-projection it targets, (lo, hi, a0, a1, B): out[:, lo:hi] gets
-    xA[:, a0:a1] @ B.T."""
+    """One projection's adapters (see the module docstring): `subs` its sub-projections'
+    output slices, `a` and `b` every slot's stacked weights, `targets[slot]` the
+    sub-projections an adapter adapts here and `ranks[slot]` its rank."""
 
-    def __init__(self, owner: "Loras", subs: list[tuple[int, int]]):
-        self.owner = owner
-        self.subs = subs
-        self.slots: dict[int, tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor]]]] = {}
+    def __init__(self, owner: "Loras", subs: list[tuple[int, int]], in_features: int, dtype, device):
+        self.owner, self.subs, self.rank = owner, subs, owner.max_rank
+        slots, r = owner.max_loras + 1, owner.max_rank
+        self.a = torch.zeros(slots, len(subs) * r, in_features, dtype=dtype, device=device)
+        self.b = [torch.zeros(slots, hi - lo, r, dtype=dtype, device=device) for lo, hi in subs]
+        self.targets: dict[int, list[int]] = {}
+        self.ranks: dict[int, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         batch = self.owner.current
         if batch is None:
             return out
+        if x.is_cuda:
+            from .kernels.lora import lora_add
+            return lora_add(x, out, self.a, self.b, self.subs, batch.token_slots)
+        R = self.rank
         for slot, rows in batch.segments:
-            w = self.slots.get(slot)
-            if w is None:
+            subs = self.targets.get(slot)
+            if not subs:
                 continue
-            a, parts = w
-            xa = x.index_select(0, rows) @ a.t()
-            for lo, hi, a0, a1, b in parts:
-                out[:, lo:hi].index_add_(0, rows, xa[:, a0:a1] @ b.t())
+            r = self.ranks[slot]
+            xa = x.index_select(0, rows) @ self.a[slot].t()
+            for k in subs:
+                lo, hi = self.subs[k]
+                out[:, lo:hi].index_add_(0, rows, xa[:, k * R:k * R + r] @ self.b[k][slot, :, :r].t())
         return out
 
 
@@ -94,6 +109,8 @@ class Loras:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.adapters: dict[str, Adapter] = {}
         self.current: LoraBatch | None = None
+        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.embed_tokens.weight.device
         cfg = model.cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size
@@ -107,18 +124,13 @@ class Loras:
             for path, subs in splits.items():
                 linear = layer.get_submodule(path)
                 assert isinstance(linear, Linear), path
-                linear.lora = mods[path] = Lora(self, subs)
+                linear.lora = mods[path] = Lora(self, subs, self._in(path), self.dtype, self.device)
             self.layers.append(mods)
-        self.dtype = model.embed_tokens.weight.dtype
-        self.device = model.embed_tokens.weight.device
 
-    def bound_bytes(self) -> int:
-        """The most memory max_loras adapters of max_rank on every projection take."""
-        cfg = self.model.cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        per_rank = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # A and B of each target
-        return self.max_loras * self.max_rank * per_rank * cfg.num_layers * self.dtype.itemsize
+    @property
+    def bytes(self) -> int:
+        """The slots' memory, allocated once: every adapter taken fits in it."""
+        return sum(lora.bytes for mods in self.layers for lora in mods.values())
 
     def slot(self, name: str | None) -> int:
         """A request's slot: 0 for None (the base model). KeyError naming the served ones."""
@@ -146,28 +158,26 @@ class Loras:
         weights = _weights(name, path, len(self.model.layers))
         targets = sorted({t for (_, t) in weights})
         slot, size = free[0], 0
-        staged: list[tuple[Lora, tuple]] = []
+        staged: list[tuple[Lora, int, torch.Tensor, torch.Tensor]] = []
         for i, mods in enumerate(self.layers):
             for path_, lora in mods.items():
-                subs = [(k, t) for t, (p, k) in TARGETS.items() if p == path_ and (i, t) in weights]
-                if not subs:
-                    continue
-                a = torch.cat([weights[i, t][0] for _, t in subs]).to(self.device, self.dtype)
-                parts, a0 = [], 0
-                for k, t in subs:
+                for t, (p, k) in TARGETS.items():
+                    if p != path_ or (i, t) not in weights:
+                        continue
                     lo, hi = lora.subs[k]
                     wa, wb = weights[i, t]
                     if wa.shape != (r, self._in(path_)) or wb.shape != (hi - lo, r):
                         raise LoraError(f"LoRA adapter {name!r}: layer {i} {t}: A {tuple(wa.shape)}, B "
                                         f"{tuple(wb.shape)} do not fit the model ({r} x {self._in(path_)}, "
                                         f"{hi - lo} x {r})")
-                    b = (wb.to(torch.float32) * scaling).to(self.device, self.dtype)
-                    parts.append((lo, hi, a0, a0 + r, b))
-                    a0 += r
+                    staged.append((lora, k, wa, wb.to(torch.float32) * scaling))
                     size += (wa.numel() + wb.numel()) * self.dtype.itemsize
-                staged.append((lora, (a, parts)))
-        for lora, w in staged:  # all checked: the slot is filled, then named
-            lora.slots[slot] = w
+        for lora, k, wa, wb in staged:  # all checked: the slot is filled, then named
+            R = lora.rank
+            lora.a[slot, k * R:k * R + r] = wa.to(self.device, self.dtype)
+            lora.b[k][slot, :, :r] = wb.to(self.device, self.dtype)
+            lora.targets.setdefault(slot, []).append(k)
+            lora.ranks[slot] = r
         adapter = Adapter(name, path, slot, r, tuple(targets), size)
         self.adapters[name] = adapter
         return adapter
@@ -183,13 +193,16 @@ class Loras:
         if not any(slots):
             return None
         rows: dict[int, list[int]] = {}
+        per_token: list[int] = []
         t = 0
         for slot, n in zip(slots, extend_lens):
             if slot:
                 rows.setdefault(slot, []).extend(range(t, t + n))
+            per_token += [slot] * n
             t += n
         return LoraBatch([(s, torch.tensor(r, dtype=torch.int64).to(device, non_blocking=True))
-                          for s, r in sorted(rows.items())])
+                          for s, r in sorted(rows.items())],
+                         torch.tensor(per_token, dtype=torch.int32).to(device, non_blocking=True))
 
 
 def parse_specs(specs: list[str] | None) -> list[tuple[str, str]]:

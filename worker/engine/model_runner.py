@@ -5,7 +5,7 @@ Sizing on a GPU: after the weights are loaded, a warm-up forward of `max_prefill
 tokens (logits for every one of them: the largest step the scheduler can run) measures peak
 activation memory, and an eager run of the largest padded decode batch estimates what the
 CUDA graphs will hold. The KV pool gets `kv_memory_fraction` of the memory still free once
-those two, and the most the LoRA adapter slots can hold (lora.py), are set aside.
+those two are set aside (the LoRA adapter slots, lora.py, are allocated before: gone too).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class ModelRunner:
         self.loras: Loras | None = None
         if cfg.lora_slots:
             self.loras = Loras(self.model, cfg.lora_slots, cfg.max_lora_rank)
-            self.mem["loras"] = self.loras.bound_bytes()
+            self.mem["loras"] = self.loras.bytes  # allocated now: the KV's sizing sees it gone
             for name, path in parse_specs(cfg.lora):
                 a = self.loras.load(name, path)
                 log.info("LoRA adapter %s (rank %d, %s) from %s: %.1f MiB", name, a.rank, ", ".join(a.targets),
@@ -135,7 +135,7 @@ class ModelRunner:
         del kv, rtt
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(dev)[0]
-        spare = free - table_bytes - self.mem["activations"] - self.mem["graphs_estimate"] - self.mem.get("loras", 0)
+        spare = free - table_bytes - self.mem["activations"] - self.mem["graphs_estimate"]
         log.info("GPU memory: %.0f MiB free after weights (%.0f MiB); warm-up activations "
                  "%.0f MiB, CUDA graphs about %.0f MiB; KV gets %.0f%% of the rest",
                  free / MiB, self.mem["weights"] / MiB, self.mem["activations"] / MiB,
