@@ -46,6 +46,7 @@ from worker.engine.batch import ForwardBatch, ForwardMode  # noqa: E402
 from worker.engine.cuda_graph import CudaGraphRunner, batch_sizes  # noqa: E402
 from worker.engine.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from worker.engine.kernels.lora import lora_add, lora_ref  # noqa: E402
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
 from worker.engine.models.qwen2_vl import repeat_frames  # noqa: E402
@@ -164,6 +165,16 @@ def kernel_checks(dev, cfg):
                 store_kv_ref(kv[:, 0], kv[:, 1], kr, vr, loc)
                 ok = torch.equal(kb, kr) and torch.equal(vb, vr)
                 rows.append(dict(kernel="store_kv", **tag, max_err=0.0 if ok else float("nan"), ok=ok))
+        # Batched LoRA (kernels/lora.py): tokens of 3 adapters and the base, q/k/v-like slices.
+        subs, r, k = [(0, 256), (256, 320), (320, 384)], 16, 256
+        slots = torch.tensor([1, 0, 3, 2, 1, 0, 3, 3], dtype=torch.int32, device=dev)
+        x, out = (torch.randn(8, k, generator=gen).to(dev, dtype), torch.randn(8, 384, generator=gen).to(dev, dtype))
+        a = torch.randn(4, len(subs) * r, k, generator=gen).to(dev, dtype) * 0.1
+        bs = [torch.randn(4, hi - lo, r, generator=gen).to(dev, dtype) * 0.1 for lo, hi in subs]
+        got = lora_add(x, out.clone(), a, bs, subs, slots)
+        ref = lora_ref(x, out.clone(), a, bs, subs, slots)
+        rows.append(dict(kernel="lora_add", dtype=str(dtype).removeprefix("torch."), heads="3 subs, r16",
+                         page=0, **_close(got, ref, dtype)))
     sync(dev)
     return rows
 

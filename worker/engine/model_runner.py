@@ -71,7 +71,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_blocks()  # activations reused from the heap, not page-faulted anew
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.load():
-            self.model.pack_weights(fuse_mlp=self.loras is None)  # the C matmul kernel's panels (fp32 only)
+            # The C matmul kernel's panels (fp32 only); with adapters (a CausalLM's), gate and up unfused.
+            self.model.pack_weights(**({} if self.loras is None else {"fuse_mlp": False}))
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0
