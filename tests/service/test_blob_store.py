@@ -333,7 +333,7 @@ def test_a_tenant_reads_by_url_only_its_own_datasets_never_the_services_objects(
     s3.create_bucket(Bucket=bucket)
     inputs = tmp_path / "inputs"
     env = {**s3_server.env, "FANOUT_STORAGE_URL": f"s3://{bucket}/svc", "FANOUT_ITEMS_STORE_BYTES": "0",
-           "FANOUT_INPUT_ROOT": str(inputs)}
+           "FANOUT_INPUT_ROOT": str(inputs), "FANOUT_MODELS": "llama"}  # no worker: the fleet's model named
     proc, url = start_api(server.url, tmp_path, "api-tenant-urls", env=env)
     r = redis_lib.Redis.from_url(server.url)
     try:

@@ -238,7 +238,8 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
 
     server = EmbeddedRedis()
     lease = 5  # seconds (30 by default)
-    env = {"FANOUT_INPUT_ROOT": str(tmp_path), "FANOUT_VALIDATION_LEASE": str(lease)}
+    env = {"FANOUT_INPUT_ROOT": str(tmp_path), "FANOUT_VALIDATION_LEASE": str(lease),
+           "FANOUT_MODELS": "llama"}  # no worker here: the fleet's model named
     with open(tmp_path / "rows.jsonl", "w") as f:
         for i in range(60_000):
             f.write(json.dumps({"prompt": f"row {i}", "custom_id": f"k{i}"}) + "\n")
