@@ -165,14 +165,15 @@ def kernel_checks(dev, cfg):
                 store_kv_ref(kv[:, 0], kv[:, 1], kr, vr, loc)
                 ok = torch.equal(kb, kr) and torch.equal(vb, vr)
                 rows.append(dict(kernel="store_kv", **tag, max_err=0.0 if ok else float("nan"), ok=ok))
-        # Batched LoRA (kernels/lora.py): tokens of 3 adapters and the base, q/k/v-like slices.
-        subs, r, k = [(0, 256), (256, 320), (320, 384)], 16, 256
+        # Batched LoRA (kernels/lora.py): tokens of 3 adapters and the base, a [384 x 256]
+        # projection of 3 sub-projections at rank 16 (B block-diagonal, as lora.py stacks it).
+        r, k, n = 16, 256, 384
         slots = torch.tensor([1, 0, 3, 2, 1, 0, 3, 3], dtype=torch.int32, device=dev)
-        x, out = (torch.randn(8, k, generator=gen).to(dev, dtype), torch.randn(8, 384, generator=gen).to(dev, dtype))
-        a = torch.randn(4, len(subs) * r, k, generator=gen).to(dev, dtype) * 0.1
-        bs = [torch.randn(4, hi - lo, r, generator=gen).to(dev, dtype) * 0.1 for lo, hi in subs]
-        got = lora_add(x, out.clone(), a, bs, subs, slots)
-        ref = lora_ref(x, out.clone(), a, bs, subs, slots)
+        x, out = (torch.randn(8, k, generator=gen).to(dev, dtype), torch.randn(8, n, generator=gen).to(dev, dtype))
+        a = torch.randn(4, 3 * r, k, generator=gen).to(dev, dtype) * 0.1
+        b = torch.randn(4, n, 3 * r, generator=gen).to(dev, dtype) * 0.1
+        got = lora_add(x, out.clone(), a, b, slots)
+        ref = lora_ref(x, out.clone(), a, b, slots)
         rows.append(dict(kernel="lora_add", dtype=str(dtype).removeprefix("torch."), heads="3 subs, r16",
                          page=0, **_close(got, ref, dtype)))
     sync(dev)

@@ -387,30 +387,30 @@ def test_cpu_pointwise_matches_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_lora_add(dtype):
     """kernels/lora.py (the GPU's batched LoRA) against its torch reference and against the
-    CPU's segmented path (lora.Lora.add): tokens of three slots and of the base interleaved,
-    a projection of three sub-projections (q, k, v's slices), ranks padded to R."""
+    CPU's path (lora.Lora.add): tokens of three slots and of the base interleaved, unevenly,
+    a projection of three sub-projections (q, k, v's slices) with block-diagonal B."""
+    from types import SimpleNamespace
     from worker.engine.kernels.lora import lora_add, lora_ref
+    from worker.engine.lora import Lora, Loras
     gen = torch.Generator().manual_seed(0)
     T, K, R, S = 7, 24, 4, 4
     subs = [(0, 16), (16, 24), (24, 32)]
-    x = torch.randn(T, K, generator=gen).to(dtype)
-    a = torch.randn(S, len(subs) * R, K, generator=gen).to(dtype)
-    a[0] = 0  # the base's slot
-    bs = [torch.randn(S, hi - lo, R, generator=gen).to(dtype) for lo, hi in subs]
+    owner = SimpleNamespace(max_rank=R, max_loras=S - 1, current=None)
+    lora = Lora(owner, subs, K, dtype, "cpu")
+    for slot in range(1, S):
+        lora.a[slot] = torch.randn(len(subs) * R, K, generator=gen).to(dtype)
+        for k, (lo, hi) in enumerate(subs):
+            lora.b[slot, lo:hi, k * R:(k + 1) * R] = torch.randn(hi - lo, R, generator=gen).to(dtype)
     slots = torch.tensor([1, 0, 3, 1, 2, 0, 3], dtype=torch.int32)
+    x = torch.randn(T, K, generator=gen).to(dtype)
     out = torch.randn(T, 32, generator=gen).to(dtype)
-    want = lora_ref(x, out.clone(), a, bs, subs, slots)
-    got = lora_add(x, out.clone(), a, bs, subs, slots)
+    want = lora_ref(x, out.clone(), lora.a, lora.b, slots)
+    got = lora_add(x, out.clone(), lora.a, lora.b, slots)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(got[1], out[1]) and torch.equal(got[5], out[5])  # the base's rows untouched
     assert not torch.allclose(got[0], out[0])
-    # The CPU's path: the same stacked weights, the rows gathered by slot.
-    from types import SimpleNamespace
-    from worker.engine.lora import Lora, Loras
-    owner = SimpleNamespace(max_rank=R, max_loras=S - 1, current=None)
-    cpu = Lora(owner, subs, K, dtype, "cpu")
-    cpu.a, cpu.b = a, bs
-    for slot in range(1, S):
-        cpu.targets[slot], cpu.ranks[slot] = [0, 1, 2], R
-    owner.current = Loras.batch(slots.tolist(), [1] * T, "cpu")
-    torch.testing.assert_close(cpu.add(x, out.clone()), want, **TOL[dtype])
+    for picked in ([1, 0, 3, 1, 2, 0, 3], [0, 2, 2, 0, 3, 3, 0], [1, 1, 0, 0, 1, 0, 0]):  # gathered, a span, one
+        slots = torch.tensor(picked, dtype=torch.int32)
+        owner.current = Loras.batch(picked, [1] * T, "cpu")
+        torch.testing.assert_close(lora.add(x, out.clone()), lora_ref(x, out.clone(), lora.a, lora.b, slots),
+                                   **TOL[dtype])

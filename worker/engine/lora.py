@@ -8,15 +8,17 @@ a request's slot is `Req.lora`. Each projection of the model an adapter may targ
 `Linear` of models/llama.py: q/k/v are slices of the fused qkv_proj, gate/up of
 gate_up_proj) gets a `Lora` holding every slot's weights, stacked and allocated once at
 their bound (max_loras x max_lora_rank): A [slots, subs x R, in] (each sub-projection's A
-padded with zeros to the max rank R) and per sub-projection B [slots, out, R], the scaling
-folded in (alpha / r, or alpha / sqrt(r) with rsLoRA). Slot 0, the base's, stays zero.
+padded with zeros to the max rank R) and B [slots, out, subs x R] (each sub-projection's B
+in its own rows and columns, zeros elsewhere), the scaling folded in (alpha / r, or alpha /
+sqrt(r) with rsLoRA). Slot 0, the base's, stays zero.
 
 A step's `LoraBatch` names, for each slot other than 0 that runs in it, the rows of [T] its
 requests' tokens hold (and each token's slot). The model runner sets `Loras.current` to it
 for the forward (the thread that runs the forward alone reads it); each projection then adds,
-for each slot, (x[rows] @ A.T) @ B.T to its rows' slice of the output: on a CPU segmented in
-torch, one gather and a few small products per slot; on a GPU by kernels/lora.py, per token
-from the stacked weights (Punica's shrink and expand). A batch with no adapter row costs
+for each slot, (x[rows] @ A.T) @ B.T to its rows of the output: on a CPU in torch, every
+slot at once (one gather of the rows by slot, two batched products, one scatter-add: a
+handful of operations a projection, whatever the number of adapters); on a GPU by
+kernels/lora.py, per token from the stacked weights (Punica's shrink and expand). A batch with no adapter row costs
 nothing more.
 
 Invariants: a slot's weights are in every Lora it targets before any request names the
@@ -46,26 +48,32 @@ class LoraError(ValueError):
 
 @dataclass(slots=True)
 class LoraBatch:
-    segments: list[tuple[int, torch.Tensor]]  # (slot, rows of [T] as int64), slots != 0 only
-    token_slots: torch.Tensor  # [T] int32, each token's slot (0: the base)
+    """A step's adapter rows. The S slots in it (ascending, 0 excluded) each get a row of
+    `index` [S, n]: its tokens' rows of [T], padded (with its first row) to the longest
+    slot's n; `real` picks the real ones out of the flattened [S * n] (None: no padding) and
+    `rows` are their rows of [T], in the same order."""
+    slots: torch.Tensor  # [S] int64
+    span: tuple[int, int] | None  # (first, last + 1) when the slots are consecutive: a view, no gather
+    index: torch.Tensor  # [S, n] int64
+    real: torch.Tensor | None  # [number of adapter tokens] int64
+    rows: torch.Tensor  # [number of adapter tokens] int64
+    token_slots: torch.Tensor  # [T] int32, each token's slot (0: the base): the GPU kernels'
 
 
 class Lora:
     """One projection's adapters (see the module docstring): `subs` its sub-projections'
-    output slices, `a` and `b` every slot's stacked weights, `targets[slot]` the
-    sub-projections an adapter adapts here and `ranks[slot]` its rank."""
+    output slices; every slot's weights stacked, `a` [slots, subs x R, in] and `b` [slots,
+    out, subs x R], sub-projection k's B in its rows and columns k*R.. (zero elsewhere)."""
 
     def __init__(self, owner: "Loras", subs: list[tuple[int, int]], in_features: int, dtype, device):
         self.owner, self.subs, self.rank = owner, subs, owner.max_rank
-        slots, r = owner.max_loras + 1, owner.max_rank
-        self.a = torch.zeros(slots, len(subs) * r, in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(slots, hi - lo, r, dtype=dtype, device=device) for lo, hi in subs]
-        self.targets: dict[int, list[int]] = {}
-        self.ranks: dict[int, int] = {}
+        slots, nr = owner.max_loras + 1, len(subs) * owner.max_rank
+        self.a = torch.zeros(slots, nr, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, subs[-1][1], nr, dtype=dtype, device=device)
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b))
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         batch = self.owner.current
@@ -73,17 +81,13 @@ class Lora:
             return out
         if x.is_cuda:
             from .kernels.lora import lora_add
-            return lora_add(x, out, self.a, self.b, self.subs, batch.token_slots)
-        R = self.rank
-        for slot, rows in batch.segments:
-            subs = self.targets.get(slot)
-            if not subs:
-                continue
-            r = self.ranks[slot]
-            xa = x.index_select(0, rows) @ self.a[slot].t()
-            for k in subs:
-                lo, hi = self.subs[k]
-                out[:, lo:hi].index_add_(0, rows, xa[:, k * R:k * R + r] @ self.b[k][slot, :, :r].t())
+            return lora_add(x, out, self.a, self.b, batch.token_slots)
+        # Every slot's rows at once: [S, n, in] @ A.T @ B.T, padded rows dropped after.
+        a, b = ((self.a[slice(*batch.span)], self.b[slice(*batch.span)]) if batch.span else
+                (self.a.index_select(0, batch.slots), self.b.index_select(0, batch.slots)))
+        xs = x.index_select(0, batch.index.view(-1)).view(*batch.index.shape, x.shape[1])
+        y = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, out.shape[1])
+        out.index_add_(0, batch.rows, y if batch.real is None else y.index_select(0, batch.real))
         return out
 
 
@@ -173,11 +177,9 @@ class Loras:
                     staged.append((lora, k, wa, wb.to(torch.float32) * scaling))
                     size += (wa.numel() + wb.numel()) * self.dtype.itemsize
         for lora, k, wa, wb in staged:  # all checked: the slot is filled, then named
-            R = lora.rank
+            R, (lo, hi) = lora.rank, lora.subs[k]
             lora.a[slot, k * R:k * R + r] = wa.to(self.device, self.dtype)
-            lora.b[k][slot, :, :r] = wb.to(self.device, self.dtype)
-            lora.targets.setdefault(slot, []).append(k)
-            lora.ranks[slot] = r
+            lora.b[slot, lo:hi, k * R:k * R + r] = wb.to(self.device, self.dtype)
         adapter = Adapter(name, path, slot, r, tuple(targets), size)
         self.adapters[name] = adapter
         return adapter
@@ -189,7 +191,8 @@ class Loras:
 
     @staticmethod
     def batch(slots: list[int], extend_lens: list[int], device) -> LoraBatch | None:
-        """The step's segments: requests' slots and new-token counts, in batch order."""
+        """The step's LoraBatch from its requests' slots and new-token counts, in batch order;
+        None when every request is the base's."""
         if not any(slots):
             return None
         rows: dict[int, list[int]] = {}
@@ -200,9 +203,18 @@ class Loras:
                 rows.setdefault(slot, []).extend(range(t, t + n))
             per_token += [slot] * n
             t += n
-        return LoraBatch([(s, torch.tensor(r, dtype=torch.int64).to(device, non_blocking=True))
-                          for s, r in sorted(rows.items())],
-                         torch.tensor(per_token, dtype=torch.int32).to(device, non_blocking=True))
+        order = sorted(rows)
+        width = max(len(r) for r in rows.values())
+        index = [rows[s] + [rows[s][0]] * (width - len(rows[s])) for s in order]
+        real = [k * width + j for k, s in enumerate(order) for j in range(len(rows[s]))]
+        span = (order[0], order[-1] + 1) if order[-1] - order[0] + 1 == len(order) else None
+
+        def tensor(v, dtype=torch.int64):
+            return torch.tensor(v, dtype=dtype).to(device, non_blocking=True)
+
+        return LoraBatch(tensor(order), span, tensor(index),
+                         None if len(real) == len(order) * width else tensor(real),
+                         tensor([t for s in order for t in rows[s]]), tensor(per_token, torch.int32))
 
 
 def parse_specs(specs: list[str] | None) -> list[tuple[str, str]]:

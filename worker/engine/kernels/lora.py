@@ -1,11 +1,11 @@
 """Batched LoRA on a GPU: each token's row multiplied by its own adapter's A, then B.
 
 The adapters' weights are stacked by slot (lora.py): `a` [S, NR, K] (a projection's
-sub-projections' A, each padded to the max rank R with zeros: NR = subs x R) and, per
-sub-projection, `b` [S, N, R]; slot 0 is the base model's, all zeros and skipped. Two
-kernels, as Punica's shrink and expand:
-- shrink: xa[t] = x[t] @ a[slot[t]].T  ([T, K] -> [T, NR]);
-- expand: out[t, lo:lo + N] += xa[t, r0:r0 + R] @ b[slot[t]].T, one call per sub-projection.
+sub-projections' A, each padded to the max rank with zeros) and `b` [S, N, NR] (each
+sub-projection's B in its rows and columns, zeros elsewhere); slot 0 is the base model's,
+all zeros and skipped. Two kernels, as Punica's shrink and expand:
+- shrink: xa[t] = x[t] @ a[slot[t]].T  ([T, K] -> [T, NR], float32);
+- expand: out[t] += xa[t] @ b[slot[t]].T  ([T, NR] -> [T, N]).
 One program per (token, block of outputs): a token of the base (slot 0) does nothing.
 `lora_ref` is the torch reference the tests hold them to.
 """
@@ -35,7 +35,7 @@ def _shrink_kernel(X, A, Slots, XA, K, NR, stride_xt, stride_as, stride_ar, stri
 
 
 @triton.jit
-def _expand_kernel(XA, B, Slots, Out, N, R, r0, lo, stride_xat, stride_bs, stride_bn, stride_ot,
+def _expand_kernel(XA, B, Slots, Out, N, R, stride_xat, stride_bs, stride_bn, stride_ot,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
@@ -45,49 +45,41 @@ def _expand_kernel(XA, B, Slots, Out, N, R, r0, lo, stride_xat, stride_bs, strid
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for q0 in range(0, R, BLOCK_R):
         offs_r = q0 + tl.arange(0, BLOCK_R)
-        xa = tl.load(XA + t * stride_xat + r0 + offs_r, mask=offs_r < R, other=0.0)
+        xa = tl.load(XA + t * stride_xat + offs_r, mask=offs_r < R, other=0.0)
         b = tl.load(B + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0).to(tl.float32)
         acc += tl.sum(b * xa[None, :], axis=1)
-    ptr = Out + t * stride_ot + lo + offs_n
+    ptr = Out + t * stride_ot + offs_n
     old = tl.load(ptr, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(ptr, (old + acc).to(Out.dtype.element_ty), mask=offs_n < N)
 
 
-def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-             subs: list[tuple[int, int]], slots: torch.Tensor) -> torch.Tensor:
-    """out[t, lo:hi] += (x[t] @ a[slot].T)[sub's ranks] @ b[slot].T for every sub-projection
-    (lo, hi) and token t whose slot is not 0; returns out (changed in place).
-
-    x [T, K] and out [T, sum of the subs' widths], last dims contiguous; a [S, len(subs) x R, K],
-    bs[k] [S, hi - lo, R], contiguous; slots [T] int32 or int64, each < S."""
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+    """out[t] += (x[t] @ a[slot[t]].T) @ b[slot[t]].T for every token t whose slot is not 0;
+    returns out (changed in place). x [T, K], out [T, N]: last dims contiguous; a [S, NR, K],
+    b [S, N, NR]: contiguous; slots [T] int32 or int64, each < S."""
     T, K = x.shape
-    S, NR, _ = a.shape
-    R = NR // len(subs)
+    _, NR, _ = a.shape
+    N = b.shape[1]
     if T == 0:
         return out
-    if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous():
-        raise ValueError("lora_add: x, out: last dim contiguous; a: contiguous")
+    if x.stride(1) != 1 or out.stride(1) != 1 or not a.is_contiguous() or not b.is_contiguous():
+        raise ValueError("lora_add: x, out: last dim contiguous; a, b: contiguous")
     xa = torch.empty(T, NR, device=x.device, dtype=torch.float32)
     block_r = min(64, triton.next_power_of_2(NR))
     _shrink_kernel[(T, triton.cdiv(NR, block_r))](x, a, slots, xa, K, NR, x.stride(0), a.stride(0), a.stride(1),
                                                   xa.stride(0), BLOCK_R=block_r, BLOCK_K=64)
-    for k, ((lo, hi), b) in enumerate(zip(subs, bs)):
-        n = hi - lo
-        _expand_kernel[(T, triton.cdiv(n, 64))](xa, b, slots, out, n, R, k * R, lo, xa.stride(0), b.stride(0),
-                                               b.stride(1), out.stride(0), BLOCK_N=64,
-                                               BLOCK_R=triton.next_power_of_2(R))
+    _expand_kernel[(T, triton.cdiv(N, 64))](xa, b, slots, out, N, NR, xa.stride(0), b.stride(0),
+                                           b.stride(1), out.stride(0), BLOCK_N=64, BLOCK_R=block_r)
     return out
 
 
-def lora_ref(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-             subs: list[tuple[int, int]], slots: torch.Tensor) -> torch.Tensor:
+def lora_ref(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
     """lora_add in torch, token by token."""
-    R = a.shape[1] // len(subs)
     for t, slot in enumerate(slots.tolist()):
-        if slot == 0:
-            continue
-        xa = x[t].float() @ a[slot].float().t()
-        for k, ((lo, hi), b) in enumerate(zip(subs, bs)):
-            out[t, lo:hi] = (out[t, lo:hi].float() + xa[k * R:(k + 1) * R] @ b[slot].float().t()).to(out.dtype)
+        if slot:
+            y = (x[t].float() @ a[slot].float().t()) @ b[slot].float().t()
+            out[t] = (out[t].float() + y).to(out.dtype)
     return out
