@@ -64,6 +64,8 @@ class ModelRunner:
         if cfg.lora_slots:
             self.loras = Loras(self.model, cfg.lora_slots, cfg.max_lora_rank)
             self.mem["loras"] = self.loras.bytes  # allocated now: the KV's sizing sees it gone
+            log.info("LoRA: %d adapter slots of rank up to %d, %.0f MiB", cfg.lora_slots, cfg.max_lora_rank,
+                     self.mem["loras"] / MiB)
             for name, path in parse_specs(cfg.lora):
                 a = self.loras.load(name, path)
                 log.info("LoRA adapter %s (rank %d, %s) from %s: %.1f MiB", name, a.rank, ", ".join(a.targets),
