@@ -22,9 +22,10 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.utils import as_text, current_timestamp
 
-from jobs import shards
+from jobs import models, shards
 from jobs.logs import JobLog, about
 from jobs.settings import Settings
+from jobs.spec import queues as queue_names
 from results import events, keys
 
 from .member import Member
@@ -97,7 +98,8 @@ def reap_one(redis, registry: str, entry: str, serializer, result_ttl: int,
 
 class Reaper:
     """This worker's share of the fleet's reaping: every REAP_INTERVAL seconds (and before
-    rq's registry maintenance), the expired executions of its queues are settled, and the
+    rq's registry maintenance), the expired executions of every known model's queues are
+    settled, and the
     shards taken off a queue by a worker that died before its claim are queued again.
     Owns only its schedule."""
 
@@ -114,10 +116,18 @@ class Reaper:
         self._next = t + REAP_INTERVAL
         return True
 
+    def queues(self) -> list[Queue]:
+        """Its own model's queues, and every other known model's: a model whose workers all
+        died has its shards settled (queued again, waiting for a worker) by whoever is alive."""
+        m = self.member
+        own = {q.name for q in m.queues}
+        others = sorted({q for model in models.read(m.connection).values() for q in queue_names(model.base)} - own)
+        return m.queues + [Queue(name, connection=m.connection, serializer=m.serializer) for name in others]
+
     def reap(self) -> None:
         """Retry, fail or cancel the jobs whose execution expired."""
         m = self.member
-        for job_id, owner, outcome in reap(m.connection, m.queues, m.serializer, self.settings.result_ttl,
+        for job_id, owner, outcome in reap(m.connection, self.queues(), m.serializer, self.settings.result_ttl,
                                            self.link.wait_for_redis):
             JobLog(log, job_id).warning("worker %s stopped sending heartbeats; job %s", owner, outcome)
             self.metrics.reaped(outcome.partition(" ")[0])  # retried, failed or canceled

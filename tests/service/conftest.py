@@ -150,13 +150,16 @@ class WorkerProc:
         from results.events import worker_ref
         return worker_ref(self.name)
 
-    def start(self):
+    def start(self, wait: bool = True):
+        """Start it; `wait`: until it has registered (its model loaded), else return at once."""
         from rq.worker import Worker
         self.count += 1
         self.name = f"test-worker-{os.getpid()}-{os.urandom(3).hex()}-{self.count}"
         self.proc = Proc(["worker", "--model", self.model_dir, "--device", "cpu", "--name", self.name,
                           "--redis-url", self.redis_url, "--drain-timeout", "0", *self.args],
                          {**_env(self.redis_url), **self.env}, str(self.log_dir / f"{self.name}.log"), self.wrap)
+        if not wait:
+            return
         conn = connect(self.redis_url)  # a redis+sentinel:// URL too
 
         def registered():

@@ -25,6 +25,7 @@ from worker.engine.models.tiny import build_tiny_lora, build_tiny_model
 
 PROMPTS = ["the quick brown fox", "a b c d e f", "one two three"]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+TTL = 6  # the workers' heartbeat TTL (FANOUT_HEARTBEAT_TTL): a dead one's shards are reaped after it
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,9 @@ def fleet_of_two(tmp_path_factory, model_dir):
     server = EmbeddedRedis()
     api, url = start_api(server.url, root, "api", env={"FANOUT_MODELS": "late"})
     lora = ["--lora", *(f"{k}={v}" for k, v in adapters.items())]
-    workers = {"llama": WorkerProc(server.url, model_dir, root, args=lora), "qwen": WorkerProc(server.url, other, root)}
+    env = {"FANOUT_HEARTBEAT_TTL": str(TTL)}
+    workers = {"llama": WorkerProc(server.url, model_dir, root, args=lora, env=env),
+               "qwen": WorkerProc(server.url, other, root, env=env)}
     for w in workers.values():
         w.start()
     r = redis_lib.Redis.from_url(server.url)
@@ -153,6 +156,28 @@ def test_a_batch_for_a_model_no_worker_serves_yet_waits_and_completes(fleet_of_t
             late.stop()
 
 
+def test_a_batch_created_while_its_models_worker_loads_completes(fleet_of_two):
+    """The case that failed every line with model_not_found: a batch for a model whose only
+    worker is starting. The worker announces its model before loading it; the batch is taken
+    as soon as that is in, and completes once the worker is up."""
+    url, r, root = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["root"]
+    fresh = WorkerProc(fleet_of_two["server"].url, fleet_of_two["dirs"]["qwen"], root,
+                       args=["--served-model-name", "fresh"])
+    fresh.start(wait=False)
+    try:
+        wait_for(lambda: r.hget(keys.models(), "fresh"), 60, "the worker to announce its model")
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as oai:
+            lines = [{**chat_line(f"q{i}", p, max_tokens=4, temperature=0)} for i, p in enumerate(PROMPTS)]
+            for line in lines:
+                line["body"]["model"] = "fresh"
+            f = oai.files.create(file=("fresh.jsonl", jsonl(lines)), purpose="batch")
+            b = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            b = wait(oai, b.id, ("completed", "failed", "expired"), timeout=120)
+            assert b.status == "completed" and b.request_counts.completed == 3, b
+    finally:
+        fresh.stop()
+
+
 def test_a_starting_worker_makes_its_model_known_before_it_has_loaded(fleet_of_two):
     r = fleet_of_two["redis"]
     assert fleet.get(r, "warming") is None
@@ -224,3 +249,27 @@ def test_adapter_jobs_run_on_their_base_models_workers_mixed_with_it(fleet_of_tw
     tok = httpx.post(url + "/tokenize", json={"model": "a1", "prompt": "hi"})  # its base's tokenizer
     assert tok.status_code == 200 and tok.json()["tokens"] == \
         httpx.post(url + "/tokenize", json={"model": "llama", "prompt": "hi"}).json()["tokens"]
+
+
+def test_a_models_last_worker_killed_its_job_waits_and_resumes_on_the_next(fleet_of_two, engines):
+    """kill -9 of the only worker of `qwen` mid-job: the other model's worker reaps the shard
+    within the heartbeat TTL (it is queued again, not left running on a dead worker), the job
+    says it waits for a worker of its model, and a new `qwen` worker finishes it with the
+    outputs it would have had."""
+    import signal
+
+    url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
+    params = {**GREEDY, "max_new_tokens": 400}
+    job_id = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": "qwen", "sampling_params": params}).json()["id"]
+    wait_for(lambda: any(e["type"] == "delta" for e in entries(r, job_id)), 60, "its samples to stream")
+    workers["qwen"].stop(signal.SIGKILL)
+    killed = time.monotonic()
+    job = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job_id}").json())["status"] == "queued"
+                   and j["waiting"] and j, 3 * TTL + 10, "the shard reaped and the job waiting")
+    assert "no live worker serves the model 'qwen'" in job["waiting"], job
+    assert time.monotonic() - killed < 3 * TTL + 10  # the heartbeat TTL, twice (model and shard), and a reap
+    workers["qwen"].start()
+    job = finished(url, job_id, 120)
+    assert job["status"] == "succeeded" and job["waiting"] is None and job["attempt"] == 2, job
+    want = engines["qwen"].generate(prompts=PROMPTS, sampling_params=SamplingParams(**params))
+    assert tokens_of(url, job_id) == [it.samples[0].token_ids for it in want]
