@@ -453,7 +453,7 @@ def test_a_text_the_tokenizer_cannot_take_fails_its_item_alone(llama_path):
     makes) in a prompt or a chat, given to the engine directly, fails its item with a clear
     error; the items tokenized with it in one call still run."""
     eng = Engine(llama_path)
-    sp = SamplingParams(max_new_tokens=3)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)  # sampled (no seed): no EOS can end one early
     out = eng.generate(prompts=["hello", "bad \ud800", "world"], sampling_params=sp)
     assert [it.samples[0].finish_reason for it in out] == ["length", "error", "length"]
     assert "tokenizer cannot take" in out[1].samples[0].error
