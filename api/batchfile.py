@@ -32,7 +32,8 @@ def _pyarrow():
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise BatchFileError("Parquet files need pyarrow: pip install 'fanout[parquet]'") from None
+        raise BatchFileError("Parquet files need pyarrow: pip install pyarrow (the parquet extra, "
+                             "pip install -e '.[parquet]' in Fanout's checkout)") from None
     return pyarrow
 
 

@@ -188,7 +188,7 @@ OUTPUT_PAGE = 1000  # items read at a time for GET /output
     **NOT_FOUND})
 def get_output(job_id: str, request: Request, format: Literal["jsonl", "parquet"] | None = Query(
         None, description="default: the dataset's own (a Parquet dataset's job: parquet), else jsonl; "
-                          "`parquet` needs pyarrow on the API (fanout[parquet])")):
+                          "`parquet` needs pyarrow on the API (pip install pyarrow: the parquet extra)")):
     """The whole job's results as one file, read a page at a time from Redis and the blob
     store: complete once the job has ended; while it runs, its unfinished items have no samples."""
     st = _state(request)

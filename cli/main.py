@@ -45,7 +45,7 @@ A batch file (JSONL) has one item per line: {"prompt": "..."}, {"input_ids": [..
 {"messages": [{"role": "user", "content": "..."}]} (every line the same kind), maybe with its
 own "sampling_params" and "custom_id"; a bare JSON string is a prompt. A *.parquet file has
 the same as columns, one item per row: prompt, input_ids or messages (structs, or the chat
-as JSON text), maybe custom_id and sampling_params (pip install 'fanout[parquet]').
+as JSON text), maybe custom_id and sampling_params (pip install pyarrow: the parquet extra).
 """
 
 

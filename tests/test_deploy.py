@@ -296,3 +296,29 @@ def test_the_api_is_published_on_loopback_unless_the_operator_says_otherwise(ser
     for name, svc in services.items():
         if name != "api":
             assert not svc.get("ports"), name
+
+
+def test_no_install_line_names_another_projects_distribution():
+    """On PyPI, `fanout` is an unrelated project ("Fanout.io library"): the distribution is
+    `fanout-batch` (the command stays `fanout`), and no install line in the docs, the code or
+    the Dockerfile names `fanout` or `fanout[...]` as a package to fetch."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["name"] == "fanout-batch" and project["scripts"]["fanout"] == "cli.main:main"
+    bad = re.compile(r"pip3? install[^\n`&;|]*?(?<![\w./-])['\"]?fanout(\[[^\]]*\])?['\"]?(?=[\s`'\"]|$)")
+    found = []
+    for folder, _, names in os.walk(ROOT):
+        if any(part in folder for part in (".venv", ".git", "egg-info", "__pycache__", "bench/out")):
+            continue
+        for name in names:
+            if name == "test_deploy.py":  # this test's own examples, below
+                continue
+            if name.endswith((".md", ".py", ".toml", ".yaml", ".sh")) or name in ("Dockerfile", "run"):
+                path = os.path.join(folder, name)
+                with open(path, errors="replace") as f:
+                    found += [f"{os.path.relpath(path, ROOT)}: {m.group(0)}" for m in bad.finditer(f.read())]
+    assert found == [], found
+    assert bad.search("pip install 'fanout[parquet]'") and bad.search("pip install fanout")
+    assert not bad.search("pip install -e '.[parquet]'") and not bad.search("pip install fanout-batch")
+    assert not bad.search("pip install -e . && fanout up")
