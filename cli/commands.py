@@ -295,9 +295,15 @@ def cmd_results(args) -> None:
 
     with Client(args.url, api_key=args.api_key) as c:
         info = c.status(args.id)
-        batchfile.write_results(c.iter_results(args.id), args.out or sys.stdout, info.get("task") == "embed")
-    if info["status"] not in events.TERMINAL:  # partial: say so, and exit so that scripts notice
+        ended = info["status"] in events.TERMINAL
         p = info["progress"]
+        if not ended and not args.partial:  # nothing written: a file of empty items reads as an answer
+            raise SystemExit(f"fanout results: job {args.id} is still {info['status']} ({p['done']} of "
+                             f"{p['total']} items finished, {p['samples_done']} of {p['samples']} samples); "
+                             "nothing written. Wait for it (fanout status), or add --partial for what has "
+                             "finished so far")
+        batchfile.write_results(c.iter_results(args.id), args.out or sys.stdout, info.get("task") == "embed")
+    if not ended:  # --partial: say so, and exit so that scripts notice
         print(f"fanout results: job {args.id} is {info['status']}: {p['done']} of {p['total']} items "
               "finished; the samples written are those finished so far", file=sys.stderr)
         raise SystemExit(NOT_FINISHED)

@@ -177,6 +177,8 @@ examples:
         if name == "results":
             p.add_argument("--out", "--output", default=None, help="write here instead of stdout: a path or an "
                            "s3://bucket/key URL; Parquet for a *.parquet name")
+            p.add_argument("--partial", action="store_true", help="a job still running: write what has finished "
+                           "so far (exit status 3) instead of nothing (exit status 1)")
 
     p = command("keys", "API keys (each one a tenant): create, list, revoke; straight to Redis", """\
 examples:

@@ -175,12 +175,18 @@ def test_submit_status_results(tmp_path, api_url, worker, capsys):
     assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
     main(["results", job_id, "--url", api_url])
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == items
-    # A job still running: what has finished, and a warning and an exit status that say so.
+    # A job still running: nothing written, and a message that says so and why; with
+    # --partial, what has finished, and a warning and an exit status that say so.
     slow = write_lines(tmp_path / "slow.jsonl", [{"prompt": "slow"}])
     main(["submit", slow, "--url", api_url, "--max-new-tokens", "900", "--ignore-eos", "--no-wait"])
     running = json.loads(capsys.readouterr().out)["id"]
+    out = tmp_path / "partial.jsonl"
     with pytest.raises(SystemExit) as e:
-        main(["results", running, "--url", api_url])
+        main(["results", running, "--url", api_url, "--out", str(out)])
+    assert "is still" in str(e.value) and "0 of 1 items finished" in str(e.value) and "--partial" in str(e.value)
+    assert not out.exists() and capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as e:
+        main(["results", running, "--url", api_url, "--partial"])
     assert e.value.code == commands.NOT_FINISHED
     captured = capsys.readouterr()
     assert "0 of 1 items finished" in captured.err and json.loads(captured.out)["samples"] == []
