@@ -29,7 +29,7 @@ from jobs import redis_url, unavailable
 from jobs.settings import Settings
 from results import blobs, keys
 
-from . import auth, metrics, openapi, streams, sweep, tenants, tokenize
+from . import auth, metrics, openapi, streams, sweep, tenants, tokenize, webhooks
 from .anthropic import router as anthropic_router
 from .anthropic.errors import RESPONSES as ANTHROPIC_ERRORS
 from .anthropic.errors import AnthropicError, is_anthropic
@@ -79,11 +79,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async def revoked(ids: set[str]) -> set[str]:
             return await anyio.to_thread.run_sync(tenants.revoked_among, app.state.redis, ids)
 
+        app.state.webhooks = webhooks.Webhooks(app.state.redis, settings)
         app.state.hub = streams.Hub(settings.redis_url, app.state.aredis, settings.max_streams, revoked)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(batches.sweep, app.state)  # OpenAI batches: expiry, finalization
             tasks.start_soon(sweep.run, app.state)  # the blob store: expired files' bytes, jobs' items
             tasks.start_soon(app.state.hub.run)  # every followed stream, one reader
+            tasks.start_soon(app.state.webhooks.run)  # the webhooks due, at least once each
             yield
             tasks.cancel_scope.cancel()
         await app.state.aredis.aclose(close_connection_pool=True)
@@ -98,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(openai_router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS)
     app.include_router(anthropic_router, dependencies=[Depends(auth.authenticate)], responses=ANTHROPIC_ERRORS)
+    app.include_router(webhooks.router, dependencies=[Depends(auth.authenticate)], responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS,
                        tags=["tokenizer"])
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")

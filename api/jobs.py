@@ -121,7 +121,7 @@ def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None
     (model_of). With a blob `store`, items over FANOUT_ITEMS_STORE_BYTES go there first
     (StoreError if it cannot take them)."""
     return create(redis, Planned.of(spec or req.spec(), settings, model_of(redis, req)), settings, req.priority,
-                  req.run_at, req.metadata, job_id, idempotency, tenant, store)
+                  req.run_at, req.metadata, job_id, idempotency, tenant, store, webhook=req.webhook_url)
 
 
 class Closed(Exception):
@@ -130,7 +130,8 @@ class Closed(Exception):
 
 def create(redis, planned: Planned, settings: Settings, priority: str = "normal", run_at: datetime | None = None,
            metadata: dict | None = None, job_id: str | None = None, idempotency: tuple[str, str] | None = None,
-           tenant: Tenant | None = None, store: blobs.Store | None = None, validated=None) -> dict[str, Any]:
+           tenant: Tenant | None = None, store: blobs.Store | None = None, validated=None,
+           webhook: str | None = None) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
     transaction. `idempotency` = (key, body hash): the key is claimed in that same
     transaction, so a claim never exists without its job; raises Claimed if the key was
@@ -140,7 +141,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
     them swept at once. `validated`: the lease of a dataset job's validation
     (api/validation.py): the job exists, `validating`, and is filled in here, while that
     lease is held (lease.Lost if not) and the job was not canceled (Closed); it took its
-    in-flight slot when its validation started. Returns the JobCreated body."""
+    in-flight slot when its validation started. `webhook`: the URL its end is POSTed to
+    (api/webhooks.py; checked by the caller). Returns the JobCreated body."""
     if not planned.model:
         raise ValueError("a job runs on a model: Planned.model is empty")
     job_id = job_id or new_id()
@@ -164,6 +166,8 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             info["embed"] = planned.embed.model_dump_json(exclude_none=True)
         if run_at:
             info["run_at"] = run_at.isoformat()
+        if webhook:
+            info["webhook"] = webhook
         lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
         slots = keys.inflight(tenant.id) if tenant and validated is None else None
         claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
@@ -296,7 +300,17 @@ def describe(redis, job_id: str) -> dict[str, Any]:
         "created_at": times["created_at"], "started_at": times["started_at"], "ended_at": times["ended_at"],
         "batching": {"steps": info["steps"], "max_batch_jobs": info["max_batch_jobs"]},
         "shards": shard_counts(redis, job_id, status),
+        "webhook": webhook(redis, job_id),
     }
+
+
+def webhook(redis, job_id: str) -> dict | None:
+    """A job's webhook (JobInfo.webhook): its URL and how its delivery went (api/webhooks.py)."""
+    url, state, attempts, error = map(_text, redis.hmget(keys.info(job_id), "webhook", "webhook_status",
+                                                         "webhook_attempts", "webhook_error"))
+    if url is None:
+        return None
+    return {"url": url, "status": state or "pending", "attempts": int(attempts or 0), "error": error or None}
 
 
 def _base(redis, model: str) -> str:

@@ -54,6 +54,9 @@ class JobRequest(JobInput):
     model: str | None = Field(None, min_length=1, max_length=256, description=(
         "the served model to run on (GET /v1/models); optional while the fleet serves one model of the "
         "job's task. A model whose workers are away (or still loading) takes the job, which waits queued"))
+    webhook_url: str | None = Field(None, min_length=1, max_length=2048, description=(
+        "POSTed a signed event when the job ends (docs/api.md, Webhooks); a host FANOUT_WEBHOOK_HOSTS allows. "
+        "Default: your default webhook (PUT /v1/webhooks), if any"))
 
     @property
     def input(self) -> str | None:
@@ -154,6 +157,14 @@ class Shards(BaseModel):
     workers: list[str] = Field(description="the workers running its shards now")
 
 
+class Webhook(BaseModel):
+    url: str
+    status: Literal["pending", "delivered", "failed"] = Field(description=(
+        "pending until the job ends and a delivery got a 2xx (delivered), or every attempt failed (failed)"))
+    attempts: int = Field(description="deliveries tried so far")
+    error: str | None = Field(description="why the last attempt failed (null after a 2xx)")
+
+
 class JobInfo(BaseModel):
     id: str
     status: Status
@@ -178,6 +189,7 @@ class JobInfo(BaseModel):
     ended_at: str | None
     batching: Batching
     shards: Shards
+    webhook: Webhook | None = Field(None, description="its webhook and how its delivery went (null: none)")
 
 
 class TopLogprob(BaseModel):

@@ -88,6 +88,7 @@ def submit(req: JobRequest, request: Request, response: Response,
         # (a resumed `fanout submit`) with the same fields are the same job. A URL's is the URL.
         same = req.model_copy(update={"input_file_id": f"sha256:{f.get('sha256')}"}) if f else req
         idempotency = (idempotency_key, hashlib.sha256(same.model_dump_json().encode()).hexdigest())
+    req = req.model_copy(update={"webhook_url": st.webhooks.target(req.webhook_url, tenant)})
     try:
         if req.input is not None:
             body = _submit_dataset(st, req, idempotency, tenant)

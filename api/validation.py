@@ -52,6 +52,8 @@ def start(redis, req: JobRequest, settings: Settings, tenant, idempotency) -> di
     info = {"state": "validating", "total": 0, "samples": 0, "seed": seed, "priority": req.priority,
             "metadata": json.dumps(req.metadata or {}), "created_at": progress.timestamp(), "listed": listed,
             "model": req.model, "request": req.model_dump_json(exclude_none=True)}
+    if req.webhook_url:  # a dataset that fails validation ends the job: its webhook is due then
+        info["webhook"] = req.webhook_url
     if tenant:
         info.update(tenant=tenant.id, slot=keys.inflight(tenant.id))
     lasts = settings.job_timeout + settings.result_ttl

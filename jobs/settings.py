@@ -65,6 +65,9 @@ class Settings:
     items_store_bytes: int = 1 << 20
     # A dataset job's `input_url` may name a file:// under this folder (unset: none may).
     input_root: str | None = None
+    # Webhook URLs may name only these hosts (`host`, `host:port` or `*` for any public one;
+    # api/webhooks.py); none: webhooks are off.
+    webhook_hosts: tuple[str, ...] = ()
     storage_url: str = field(default_factory=lambda: "file://" + os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "fanout", "blobs"))
 
@@ -92,5 +95,6 @@ class Settings:
             batch_window=_int("FANOUT_BATCH_WINDOW", d.batch_window),
             items_store_bytes=_int("FANOUT_ITEMS_STORE_BYTES", d.items_store_bytes, least=0),
             input_root=os.environ.get("FANOUT_INPUT_ROOT") or d.input_root,
+            webhook_hosts=tuple(h.strip() for h in os.environ.get("FANOUT_WEBHOOK_HOSTS", "").split(",") if h.strip()),
             storage_url=os.environ.get("FANOUT_STORAGE_URL") or d.storage_url,
         )

@@ -239,6 +239,22 @@ def rate(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:rate"
 
 
+def webhooks() -> str:
+    """The webhook outbox: sorted set of deliveries (`job:<id>`, `batch:<id>`) by when each is
+    due; an API process sending one pushes it a lease ahead (api/webhooks.py)."""
+    return f"{PREFIX}:webhooks"
+
+
+def webhook_attempts() -> str:
+    """Hash: a pending delivery -> the attempts made so far."""
+    return f"{PREFIX}:webhooks:attempts"
+
+
+def webhook(tenant: str | None) -> str:
+    """Hash of a tenant's webhook settings (open mode's when None): `secret`, `url` (its default)."""
+    return f"{PREFIX}:webhook:open" if tenant is None else f"{PREFIX}:tenant:{tenant}:webhook"
+
+
 def all_for(job_id: str) -> list[str]:
     """Every key a job owns (for expiry)."""
     return [stream(job_id), results(job_id), info(job_id), cancel(job_id), closed(job_id), custom_ids(job_id),

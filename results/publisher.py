@@ -14,11 +14,13 @@ from collections import Counter, defaultdict
 from . import events, keys, listing, progress, store
 
 # KEYS: closed, stream, results, info, cancel, custom_ids, shards, running, kept (all expired),
-# items (deleted: the input is not needed once the job ended).
+# items (deleted: the input is not needed once the job ended), the webhook outbox.
 # ARGV: ttl, status, ended_at, job id, field, value, ...
 # A succeeded job has no error: an earlier attempt's (reaped, retried) stays in the stream.
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
 # counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
+# A job with a webhook has its delivery due at once, in the same transaction: a process
+# that dies after the close cannot lose it (api/webhooks.py sends it).
 _CLOSE = listing.SET_STATE + """
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
 set_state(KEYS[4], ARGV[4], ARGV[2])
@@ -27,8 +29,11 @@ local slot = redis.call('HGET', KEYS[4], 'slot')
 if slot then redis.call('DECR', slot) end
 redis.call('HSET', KEYS[4], 'ended_at', ARGV[3])
 if ARGV[2] == 'succeeded' then redis.call('HDEL', KEYS[4], 'error') end
-redis.call('DEL', KEYS[#KEYS])
-for i = 2, #KEYS - 1 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+if redis.call('HEXISTS', KEYS[4], 'webhook') == 1 then
+  redis.call('ZADD', KEYS[#KEYS], 0, 'job:' .. ARGV[4])
+end
+redis.call('DEL', KEYS[#KEYS - 1])
+for i = 2, #KEYS - 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
 return id
 """
 
@@ -126,7 +131,7 @@ def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
           keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),
-          keys.kept(job_id), keys.items(job_id)]
+          keys.kept(job_id), keys.items(job_id), keys.webhooks()]
     return [len(ks), *ks, *argv]
 
 

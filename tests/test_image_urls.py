@@ -104,7 +104,7 @@ def test_an_entry_without_a_port_allows_80_and_443_only(server):
         ImageSources(http_hosts=(f"127.0.0.1:{closed}",), timeout_s=2).read(f"http://127.0.0.1:{closed}/f/img.png")
     assert str(e.value).endswith("could not be fetched (no connection)"), e.value
     for bad in ("a/b", "h:99999", "u@h"):
-        with pytest.raises(ValueError, match="image_http_hosts"):
+        with pytest.raises(ValueError, match="image-http-hosts"):
             ImageSources(http_hosts=(bad,))
 
 

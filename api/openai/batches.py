@@ -68,7 +68,7 @@ WAITING = {"object": "list", "data": [{
 def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) -> dict | None:
     """Apply `change(record)` -> the fields to set (None: leave it) atomically, and only
     while `lease` is held if one is given. An ended batch leaves the open set and expires
-    `ttl` seconds later."""
+    `ttl` seconds later; its webhook, if it has one, is due in the same transaction."""
     key = keys.batch(batch_id)
     with redis.pipeline() as pipe:
         while True:
@@ -82,12 +82,15 @@ def _update(redis, batch_id: str, change, ttl: int, lease: Lease | None = None) 
                 if not fields:
                     pipe.reset()
                     return record
+                was = record["status"]
                 record.update(fields)
                 pipe.multi()
                 pipe.set(key, json.dumps(record))
                 if record["status"] not in OPEN:
                     pipe.srem(keys.batches_open(), batch_id)
                     pipe.expire(key, ttl)
+                    if was in OPEN and record.get("_webhook"):
+                        pipe.zadd(keys.webhooks(), {f"batch:{batch_id}": 0})
                 pipe.execute()
                 return record
             except WatchError:
@@ -141,7 +144,8 @@ def create(body: BatchCreate, request: Request):
               "expires_at": now + settings.batch_window, "finalizing_at": None, "completed_at": None,
               "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None,
-              "metadata": body.metadata, "_tenant": _tenant_id(tenant)}
+              "metadata": body.metadata, "_tenant": _tenant_id(tenant),
+              "_webhook": st.webhooks.target(body.webhook_url, tenant)}
     with redis.pipeline() as pipe:
         pipe.set(keys.batch(batch_id), json.dumps(record))
         pipe.zadd(keys.batches(_tenant_id(tenant)), {batch_id: time.time()})  # newest first, to the microsecond

@@ -55,11 +55,14 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+NATIVE = ("/v1/jobs", "/v1/webhooks", "/v1/fleet")  # the native API's own routes under /v1 (and below them)
+
+
 def is_openai(path: str) -> bool:
     """An OpenAI route's path, or a path under /v1 that is no route (a client of OpenAI's API
-    that asks for what we lack reads OpenAI's error); the native job API's own are not."""
-    return path.startswith(PATHS) or (path.startswith("/v1/") and not path.startswith(("/v1/jobs/", "/v1/jobs?"))
-                                       and path != "/v1/jobs")
+    that asks for what we lack reads OpenAI's error); the native API's own are not."""
+    return path.startswith(PATHS) or (path.startswith("/v1/") and not any(
+        path == p or path.startswith((p + "/", p + "?")) for p in NATIVE))
 
 
 def not_found(what: str, id: str, code: str | None = None) -> OpenAIError:

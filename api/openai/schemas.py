@@ -355,6 +355,9 @@ class BatchCreate(Strict):
     priority: Priority = Field("normal", description="extension: the job's queue")
     run_at: Annotated[AwareDatetime, Field(strict=False)] | None = Field(None, description="extension: start no earlier than this (ISO 8601 "
                                                            "with a zone); the window counts from creation")
+    webhook_url: str | None = Field(None, min_length=1, max_length=2048, description=(
+        "extension: POSTed a signed `batch.completed` (`.failed`, `.expired`, `.cancelled`) event when the batch "
+        "ends (docs/api.md, Webhooks); default: your default webhook"))
 
 
 class BatchError(BaseModel):
