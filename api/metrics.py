@@ -1,6 +1,6 @@
 """The API's Prometheus metrics at /metrics: requests by route template (never a raw path:
-no job ids in labels) and status, their latency, and the jobs in Redis by queue and status,
-counted at each scrape.
+no job ids in labels) and status, their latency, the event streams open, and the jobs in Redis
+by queue and status (and how long each queue's head has waited), counted at each scrape.
 
 Under `fanout api --workers N` the uvicorn processes share a port, so a scrape reaches any
 one of them: each counts its requests in files under PROMETHEUS_MULTIPROC_DIR
@@ -13,10 +13,11 @@ import os
 import time
 
 import redis
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from rq import Queue
+from rq.utils import utcparse
 from starlette.routing import compile_path
 
 from jobs import logs
@@ -28,6 +29,10 @@ REQUESTS = Counter("fanout_api_requests", "HTTP requests by method, route templa
 LATENCY = Histogram("fanout_api_request_duration_seconds",
                     "Seconds from a request to its response headers (an event stream's whole life "
                     "would swamp the rest), by method and route template", ["method", "route"])
+# livesum: under several processes, the sum of the live ones' values.
+STREAMS = Gauge("fanout_api_streams_open", "Event streams (text/event-stream responses: a job's events, a "
+                "streamed completion, chat or message) this API is sending, by route template",
+                ["route"], multiprocess_mode="livesum")
 METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 
@@ -44,12 +49,16 @@ class RequestMetrics:
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status, took = 500, None  # no response started: the server error handler answers 500
+        stream = None  # the route of an event stream, counted open from its start to its end
 
         async def send_metered(message):
-            nonlocal status, took
+            nonlocal status, took, stream
             if message["type"] == "http.response.start":
                 status, took = message["status"], time.perf_counter() - start
                 logs.job_id.set(_job_id(scope, message))
+                if dict(message.get("headers", ())).get(b"content-type", b"").startswith(b"text/event-stream"):
+                    stream = self._route(scope)
+                    STREAMS.labels(stream).inc()
             await send(message)
 
         try:
@@ -60,6 +69,8 @@ class RequestMetrics:
             route = self._route(scope)
             REQUESTS.labels(method, route, str(status)).inc()
             LATENCY.labels(method, route).observe(took if took is not None else time.perf_counter() - start)
+            if stream is not None:
+                STREAMS.labels(stream).dec()
 
     def _route(self, scope) -> str:
         route = getattr(scope.get("route"), "path", None)
@@ -80,10 +91,23 @@ def _job_id(scope, start_message) -> str | None:
     return jid
 
 
+# Each queue's head (the shard taken next) and when rq queued it: one script, so the scrape
+# stays one round trip. '' for an empty queue.
+HEADS = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local id = redis.call('LINDEX', key, 0)
+  out[i] = id and (redis.call('HGET', ARGV[1] .. id, 'enqueued_at') or '') or ''
+end
+return out
+"""
+
+
 class Jobs:
-    """Shards in Redis by queue and status, from rq's queue lists and registries, in one
-    round trip (LLEN and ZCARDs): what the fleet has to do now. rq forgets a shard once it
-    ended; a job's outcome is the job's own (GET /v1/jobs)."""
+    """Shards in Redis by queue and status, from rq's queue lists and registries, and the
+    age of each queue's head, in one round trip (LLEN, ZCARDs, a script): what the fleet has
+    to do now, and how long it has waited. rq forgets a shard once it ended; a job's outcome
+    is the job's own (GET /v1/jobs)."""
 
     STATUSES = ("scheduled", "running")
 
@@ -100,10 +124,13 @@ class Jobs:
                     pipe.llen(q.key)
                     for reg in (q.scheduled_job_registry, q.started_job_registry):
                         pipe.zcard(reg.key)
+                pipe.eval(HEADS, len(queues), *[q.key for _, _, q in queues],
+                          Queue.job_class.redis_job_namespace_prefix)
                 pipe.info("memory")
-                *counts, memory = pipe.execute()
+                *counts, heads, memory = pipe.execute()
         except redis.RedisError:
             counts = None
+        now = time.time()
         yield GaugeMetricFamily("fanout_api_redis_up", "Whether this scrape reached Redis",
                                 value=int(counts is not None))
         if counts is None:
@@ -122,6 +149,15 @@ class Jobs:
             for status, n in zip(("queued",) + self.STATUSES, counts[i * per_queue:(i + 1) * per_queue]):
                 jobs.add_metric([q.name, model, priority, status], n)
         yield jobs
+        # A shard handed back goes to the front, queued anew: the head is the next one taken,
+        # and its age how long the queue has waited for a worker to take anything (0: empty).
+        age = GaugeMetricFamily("fanout_queue_head_age_seconds", "Seconds since rq queued the shard at the "
+                                "head of the queue (the next one taken; 0: the queue is empty)",
+                                labels=["queue", "model", "priority"])
+        for (model, priority, q), at in zip(queues, heads):
+            at = at.decode() if isinstance(at, bytes) else at
+            age.add_metric([q.name, model, priority], max(0.0, now - utcparse(at).timestamp()) if at else 0.0)
+        yield age
 
 
 def exposition(conn: redis.Redis) -> bytes:

@@ -294,7 +294,9 @@ def test_the_api_is_published_on_loopback_unless_the_operator_says_otherwise(ser
     [port] = services["api"]["ports"]
     assert port == "${FANOUT_API_BIND:-127.0.0.1}:8000:8000"
     for name, svc in services.items():
-        if name != "api":
+        if name in ("prometheus", "grafana"):  # the same, unless FANOUT_MONITORING_BIND says otherwise
+            assert all(p.startswith("${FANOUT_MONITORING_BIND:-127.0.0.1}:") for p in svc["ports"]), name
+        elif name != "api":
             assert not svc.get("ports"), name
 
 

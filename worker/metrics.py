@@ -1,7 +1,9 @@
 """A worker's Prometheus metrics, served on `fanout worker --metrics-port`: what its loop
 counts (job outcomes, samples, prompt and cache-hit tokens, reaped jobs, Redis outages, step
 time) and what its engine holds, read at each scrape (tokens through prefill and decode,
-requests, KV pages). Every series but the process ones has the label worker=<its rq name>.
+requests, KV pages). Every series but the process ones has the label worker=<its rq name>;
+fanout_worker_info{worker, model, task} (always 1) names the model it serves, so a query can
+take a model's workers: `... * on (worker) group_left (model) fanout_worker_info`.
 
 A scrape runs in the HTTP server's thread and reads the engine's counters without a lock:
 each value is read whole, but two of them may be a step apart.
@@ -73,6 +75,11 @@ class _EngineState:
             f.add_metric(self.labels, value)
             return f
 
+        info = GaugeMetricFamily("fanout_worker_info", "The model this worker serves (its name in requests "
+                                 "and queues) and its task (generate, embed); always 1",
+                                 labels=["worker", "model", "task"])
+        info.add_metric([*self.labels, self.attempts.member.model, self.engine.task], 1)
+        yield info
         # The counters' names get _total in the exposition.
         yield family(CounterMetricFamily, "fanout_prefill_tokens", "Tokens run through prefill (prompts "
                      "not served by the prefix cache, and recomputation)", stats.prefill_tokens)
