@@ -183,7 +183,9 @@ def submit_key(body: dict) -> str:
 def cmd_submit(args) -> None:
     from tqdm import tqdm
 
+    from cli.progress import Progress
     from results.client import Client
+    from worker.engine.sampling_params import SamplingParams
 
     remote = args.file.startswith(URLS)
     body = {**(_url_body(args) if remote else job_body(args.file, args)), "priority": args.priority}
@@ -208,30 +210,18 @@ def cmd_submit(args) -> None:
         if args.no_wait:
             _print_json({k: v for k, v in job.items() if k != "replayed"})
             return
-        # Items done: counted from the stream (each once its every sample has ended), or,
-        # for a dataset the API read (its items unknown here) or followed late (entries
-        # gone), the job's own count, looked up at most once a second.
-        left = dict(enumerate(p.n for p in spec.sampling_params)) if spec else None
-        bar = tqdm(total=spec.size if spec else None, unit="row", file=sys.stderr)
-        status, looked = None, 0.0
+        shared = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
+        bar = Progress(spec, shared.get("max_new_tokens") or SamplingParams().max_new_tokens,
+                       body.get("task") == "embed")
+        status = None
         for _, entry in client.events(job["id"]):
-            if entry["type"] == "trimmed" or (left is None and (time.monotonic() - looked >= 1
-                                                                or entry["type"] == "status")):
-                looked = time.monotonic()
-                progress = client.status(job["id"])["progress"]
-                bar.total = progress["total"] or bar.total
-                bar.update(max(0, progress["done"] - bar.n))
-            if entry["type"] in ("final", "error"):
-                if left is not None:
-                    left[entry["index"]] -= 1
-                    if left[entry["index"]] == 0:
-                        bar.update(1)
-                if args.stream:
-                    # The sample as /results has it (logprobs only when asked).
-                    keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
-                            "logprobs", "prompt_logprobs")
-                    tqdm.write(json.dumps({k: entry[k] for k in keys if k in entry}, ensure_ascii=False),
-                               file=sys.stdout)
+            bar.entry(entry, lambda: client.status(job["id"]))
+            if entry["type"] in ("final", "error") and args.stream:
+                # The sample as /results has it (logprobs only when asked).
+                keys = ("index", "sample", "text", "token_ids", "finish_reason", "usage", "error",
+                        "logprobs", "prompt_logprobs")
+                tqdm.write(json.dumps({k: entry[k] for k in keys if k in entry}, ensure_ascii=False),
+                           file=sys.stdout)
             elif entry["type"] == "status":
                 status = entry["status"]
         bar.close()

@@ -546,3 +546,38 @@ def test_generate_takes_tools_as_json_flags(tmp_path, model_dir):
     (row,) = [json.loads(line) for line in out.read_text().rstrip("\n").split("\n")]
     (call,) = row["samples"][0]["tool_calls"]
     assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city"}
+
+
+def test_submit_progress_moves_with_the_tokens(tmp_path, api_url, worker):
+    """`fanout submit`'s bar moves as tokens stream in, not only when items end: items decoded
+    together end together, yet the bar passes through the middle with 0 items done, with
+    the tokens and samples counted, and ends at 100% with every token. It moves at least
+    every few seconds (the stream brings deltas every FANOUT_DELTA_INTERVAL, 0.1 s)."""
+    tag = uuid.uuid4().hex
+    src = write_lines(tmp_path / "even.jsonl", [{"prompt": f"{tag} {i}"} for i in range(4)])
+    # 900 tokens: within the tiny model's context (1,024) after the prompt.
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", "submit", src, "--url", api_url, "--max-new-tokens",
+                          "900", "--ignore-eos", "--out", str(tmp_path / "out.jsonl")], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})  # the whole line
+    seen, chunk = [], b""  # (time, line) for every redraw of the bar
+    while (c := p.stderr.read(1)):
+        if c in b"\r\n":
+            if chunk.strip():
+                seen.append((time.monotonic(), chunk.decode(errors="replace")))
+            chunk = b""
+        else:
+            chunk += c
+    assert p.wait() == 0, seen[-5:]
+    shape = re.compile(r"\s*(\d+)%\|.*\| (\d)/4 items, (\d)/4 samples, ([\d,]+) tokens, [\d,]+ tok/s")
+    bars = [(t, *map(int, (m[1], m[2], m[3], m[4].replace(",", "")))) for t, line in seen
+            if (m := shape.match(line))]
+    assert bars, seen[:5]
+    pct = [b[1] for b in bars]
+    assert pct == sorted(pct) and pct[-1] == 100, pct
+    assert bars[-1][2:] == (4, 4, 3600), seen[-6:]
+    middle = [b for b in bars if 10 <= b[1] <= 90 and b[2] == 0]
+    assert middle, bars  # the bar was well under way before any item ended
+    moves = [t for (t, p0, *_), (_, p1, *_) in zip(bars, bars[1:]) if p1 > p0]
+    gaps = [b - a for a, b in zip(moves, moves[1:])]
+    assert not gaps or max(gaps) < 5, gaps
