@@ -116,12 +116,13 @@ def model_of(redis, req: JobRequest) -> fleet.Model:
 
 def submit(redis, req: JobRequest, settings: Settings, job_id: str | None = None,
            spec: JobSpec | None = None, idempotency: tuple[str, str] | None = None,
-           tenant: Tenant | None = None, store: blobs.Store | None = None) -> dict[str, Any]:
+           tenant: Tenant | None = None, store: blobs.Store | None = None, online: bool = False) -> dict[str, Any]:
     """create() for a request: `spec` is req.spec() unless given; its model resolved
     (model_of). With a blob `store`, items over FANOUT_ITEMS_STORE_BYTES go there first
     (StoreError if it cannot take them)."""
     return create(redis, Planned.of(spec or req.spec(), settings, model_of(redis, req)), settings, req.priority,
-                  req.run_at, req.metadata, job_id, idempotency, tenant, store, webhook=req.webhook_url)
+                  req.run_at, req.metadata, job_id, idempotency, tenant, store, webhook=req.webhook_url,
+                  online=online)
 
 
 class Closed(Exception):
@@ -131,7 +132,7 @@ class Closed(Exception):
 def create(redis, planned: Planned, settings: Settings, priority: str = "normal", run_at: datetime | None = None,
            metadata: dict | None = None, job_id: str | None = None, idempotency: tuple[str, str] | None = None,
            tenant: Tenant | None = None, store: blobs.Store | None = None, validated=None,
-           webhook: str | None = None) -> dict[str, Any]:
+           webhook: str | None = None, online: bool = False) -> dict[str, Any]:
     """Write the job's info hash and first stream entry, then hand it to rq, in one
     transaction. `idempotency` = (key, body hash): the key is claimed in that same
     transaction, so a claim never exists without its job; raises Claimed if the key was
@@ -142,7 +143,9 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
     (api/validation.py): the job exists, `validating`, and is filled in here, while that
     lease is held (lease.Lost if not) and the job was not canceled (Closed); it took its
     in-flight slot when its validation started. `webhook`: the URL its end is POSTed to
-    (api/webhooks.py; checked by the caller). Returns the JobCreated body."""
+    (api/webhooks.py; checked by the caller). `online`: an online request's job (api/online.py),
+    whose answer the HTTP request delivers: it is not listed (GET /v1/jobs) and its keys go
+    FANOUT_ONLINE_TTL after its end, not FANOUT_RESULT_TTL. Returns the JobCreated body."""
     if not planned.model:
         raise ValueError("a job runs on a model: Planned.model is empty")
     job_id = job_id or new_id()
@@ -168,7 +171,9 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             info["run_at"] = run_at.isoformat()
         if webhook:
             info["webhook"] = webhook
-        lasts = wait + settings.job_timeout + settings.result_ttl  # the job's keys, at most
+        if online:
+            info["ttl"] = settings.online_ttl  # read by the close (results/publisher.py)
+        lasts = wait + settings.job_timeout + (settings.online_ttl if online else settings.result_ttl)  # at most
         slots = keys.inflight(tenant.id) if tenant and validated is None else None
         claim = keys.idempotency(idempotency[0], tenant.id if tenant else None) if idempotency else None
         if in_store:
@@ -179,8 +184,9 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
             redis.zadd(keys.blobs_due(), {m: time.time() + lasts for m in due})
             if lay.chunks is not None:
                 items.store_items(store, job_id, lay)
-        listed = keys.jobs(tenant.id if tenant else None)
-        info["listed"] = listed  # the status scripts move it between its listing's indexes
+        listed = None if online else keys.jobs(tenant.id if tenant else None)
+        if listed:
+            info["listed"] = listed  # the status scripts move it between its listing's indexes
         if slots:
             info.update(tenant=tenant.id, slot=slots)
         with redis.pipeline() as pipe:
@@ -220,7 +226,7 @@ def create(redis, planned: Planned, settings: Settings, priority: str = "normal"
                     pipe.expire(k, lasts)
                 # The listing: entries of expired jobs go when a listing meets them, or at this age.
                 now = time.time()
-                if validated is None:
+                if validated is None and listed:
                     results_listing.add(pipe, listed, job_id, status, now,
                                         now - settings.job_timeout - settings.result_ttl)
                 try:

@@ -47,7 +47,8 @@ async def start(request: Request, model: str, items: dict, params: SamplingParam
     job_id = jobs.new_id()
     follower = st.hub.open(keys.stream(job_id), "0", streams.tenant_id(request))
     try:
-        await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, job_id=job_id, tenant=tenant))
+        await anyio.to_thread.run_sync(lambda: jobs.submit(st.redis, job, st.settings, job_id=job_id, tenant=tenant,
+                                                           online=True))
     except BaseException:
         follower.close()
         raise

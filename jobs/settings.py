@@ -28,6 +28,9 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     # A finished job's status, stream and results live this long (seconds) after it ends.
     result_ttl: int = 7 * 24 * 3600
+    # An online request's job (a chat, completion, response or message the HTTP request waits
+    # for) lives this long after it ends instead: its answer was delivered already.
+    online_ttl: int = 60
     # A job running longer than this is aborted and counted as a failed attempt.
     job_timeout: int = 24 * 3600
     # Attempts after the first one, used when a worker dies or hits an engine error mid-job.
@@ -81,6 +84,7 @@ class Settings:
             max_n=_int("FANOUT_MAX_N", d.max_n),
             max_body_bytes=_int("FANOUT_MAX_BODY_BYTES", d.max_body_bytes),
             result_ttl=_int("FANOUT_RESULT_TTL", d.result_ttl),
+            online_ttl=_int("FANOUT_ONLINE_TTL", d.online_ttl, least=1),
             job_timeout=_int("FANOUT_JOB_TIMEOUT", d.job_timeout),
             job_retries=_int("FANOUT_JOB_RETRIES", d.job_retries),
             heartbeat_ttl=_int("FANOUT_HEARTBEAT_TTL", d.heartbeat_ttl),

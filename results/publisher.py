@@ -20,9 +20,11 @@ from . import events, keys, listing, progress, store
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
 # counter (api.jobs.submit), so this reaches a key not in KEYS (fine outside Redis Cluster).
 # A job with a webhook has its delivery due at once, in the same transaction: a process
-# that dies after the close cannot lose it (api/webhooks.py sends it).
+# that dies after the close cannot lose it (api/webhooks.py sends it). A job whose info hash
+# has its own `ttl` (an online request's: api/jobs.py create) keeps its keys that long, not ttl.
 _CLOSE = listing.SET_STATE + """
-if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[1]) then return false end
+local ttl = redis.call('HGET', KEYS[4], 'ttl') or ARGV[1]
+if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ttl) then return false end
 set_state(KEYS[4], ARGV[4], ARGV[2])
 local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 local slot = redis.call('HGET', KEYS[4], 'slot')
@@ -33,7 +35,7 @@ if redis.call('HEXISTS', KEYS[4], 'webhook') == 1 then
   redis.call('ZADD', KEYS[#KEYS], 0, 'job:' .. ARGV[4])
 end
 redis.call('DEL', KEYS[#KEYS - 1])
-for i = 2, #KEYS - 2 do redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+for i = 2, #KEYS - 2 do redis.call('EXPIRE', KEYS[i], ttl) end
 return id
 """
 

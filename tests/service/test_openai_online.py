@@ -211,3 +211,37 @@ def test_fields_clients_send_by_default_are_accepted_and_change_nothing(oai, api
     with pytest.raises(openai.BadRequestError) as e:  # it would change the output: refused, not ignored
         oai.chat.completions.create(model="llama", messages=CHAT, max_tokens=2, logit_bias={"5": 1})
     assert e.value.param == "logit_bias"
+
+
+def test_online_requests_leave_nothing_behind(redis_url, worker, tmp_path_factory):
+    """An online request's job is not listed and its keys go FANOUT_ONLINE_TTL after it ends
+    (GET /v1/jobs/{id}: 404 then), answered or refused; a native job's stay."""
+    import redis as redis_lib
+    from conftest import start_api, wait_for
+    grace = 3
+    proc, url = start_api(redis_url, tmp_path_factory.mktemp("online-ttl"), "api-online-ttl",
+                          env={"FANOUT_ONLINE_TTL": str(grace)})
+    r = redis_lib.Redis.from_url(redis_url)
+
+    def jobs_in_redis() -> set[str]:
+        return {k.decode().split(":")[2] for k in r.scan_iter("fanout:job:*", count=1000)}
+    try:
+        before = jobs_in_redis()
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            answered = [c.chat.completions.create(model="llama", messages=CHAT, max_tokens=2).id for _ in range(3)]
+            with pytest.raises(openai.BadRequestError):  # refused by the worker: longer than the context
+                c.completions.create(model="llama", prompt="word " * 1100, max_tokens=2)
+        native = httpx.post(url + "/v1/jobs", json={"prompts": ["x"], "sampling_params": {"max_new_tokens": 2}}).json()["id"]
+        ids = [a.removeprefix("chatcmpl-") for a in answered]
+        assert all(httpx.get(f"{url}/v1/jobs/{j}").status_code == 200 for j in ids)  # within the grace
+        listed = {j["id"] for j in httpx.get(url + "/v1/jobs", params={"limit": 100}).json()["data"]}
+        assert not listed & set(ids) and native in listed
+        wait_for(lambda: all(httpx.get(f"{url}/v1/jobs/{j}").status_code == 404 for j in ids), grace + 10,
+                 "the online jobs to go")
+        time.sleep(1)  # the refused request's job ended before the answered ones'
+        assert jobs_in_redis() - before == {native}  # every key of every online job gone, the refused one's too
+        assert not any(r.zscore(k, j) for j in ids for k in r.scan_iter("fanout:jobs*"))
+        assert httpx.get(f"{url}/v1/jobs/{native}").status_code == 200  # FANOUT_RESULT_TTL
+    finally:
+        proc.stop()
+        r.close()
