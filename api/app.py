@@ -33,6 +33,7 @@ from . import auth, metrics, openapi, streams, sweep, tenants, tokenize, webhook
 from .anthropic import router as anthropic_router
 from .anthropic.errors import RESPONSES as ANTHROPIC_ERRORS
 from .anthropic.errors import AnthropicError, is_anthropic
+from .fleet import router as fleet_router
 from .openai import batches
 from .openai import router as openai_router
 from .openai.errors import RESPONSES as OPENAI_ERRORS
@@ -40,6 +41,7 @@ from .openai.errors import OpenAIError, from_validation, is_openai
 from .schemas import UNION_TAGS, ErrorOut, Health, Version
 from .submit import router
 
+UI = os.path.join(os.path.dirname(__file__), "ui")  # the dashboard's files (/ui)
 UNAVAILABLE = {503: {"model": ErrorOut, "description": "Redis is unavailable or out of memory (try again after Retry-After)"}}
 
 
@@ -103,7 +105,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(webhooks.router, dependencies=[Depends(auth.authenticate)], responses={**UNAVAILABLE, **auth.RESPONSES})
     app.include_router(tokenize.router, dependencies=[Depends(auth.authenticate)], responses=OPENAI_ERRORS,
                        tags=["tokenizer"])
+    app.include_router(fleet_router, dependencies=[Depends(auth.authenticate), Depends(auth.admin)], tags=["admin"],
+                       responses={**UNAVAILABLE, **auth.RESPONSES, 403: {
+                           "model": ErrorOut, "description": "an API key that is not an admin key"}})
     app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    # The jobs dashboard: static files from this package, open like /docs; every figure it
+    # shows comes from the /v1 routes, with the key the user gives it (docs/ui.md).
+    app.mount("/ui", StaticFiles(directory=UI, html=True), name="ui")
 
     @app.get("/docs", include_in_schema=False)
     def docs(request: Request):

@@ -63,3 +63,12 @@ def _count_request(redis, tenant: tenants.Tenant) -> None:
         raise tenants.OverLimit("requests_per_second",
                                 f"over this API key's limit of {limit} requests per second (requests_per_second)",
                                 retry_after=max(1, -(-wait_ms // 1000)))
+
+
+def admin(request: Request) -> None:
+    """For the operator's routes (GET /v1/fleet): an admin key (`fanout keys create --admin`),
+    or anyone in open mode. Runs after authenticate."""
+    tenant = request.state.tenant
+    if tenant is not None and not tenant.admin:
+        raise HTTPException(403, "this API key is not an admin key: the fleet is shown to admin keys only "
+                                 "(fanout keys create --admin)")

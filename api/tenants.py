@@ -53,6 +53,7 @@ class Tenant:
     revoked: bool = False
     limits: dict[str, int] = field(default_factory=dict)  # names from LIMITS
     may_use_high_priority: bool = False
+    admin: bool = False  # sees the fleet (GET /v1/fleet); its jobs are its own all the same
 
     def check_job(self, priority: str, items: int, tokens: int) -> None:
         """The per-job rights and limits, before anything is written."""
@@ -72,12 +73,13 @@ def enabled(redis) -> bool:
     return bool(redis.exists(keys.api_keys()))
 
 
-def create(redis, name: str, limits: dict[str, int], may_use_high_priority: bool = False) -> tuple[str, Tenant]:
+def create(redis, name: str, limits: dict[str, int], may_use_high_priority: bool = False,
+           admin: bool = False) -> tuple[str, Tenant]:
     """A new key and its tenant; the key is returned here only."""
     key = "fo_" + secrets.token_urlsafe(32)
     tenant = Tenant(id=uuid.uuid4().hex[:12], name=name, limits=limits,
                     created_at=datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
-                    may_use_high_priority=may_use_high_priority)
+                    may_use_high_priority=may_use_high_priority, admin=admin)
     with redis.pipeline() as pipe:
         pipe.set(keys.api_key(digest(key)), json.dumps(asdict(tenant)))
         pipe.hset(keys.api_keys(), tenant.id, digest(key))

@@ -311,7 +311,7 @@ def cmd_keys(args) -> None:
     conn = redis_url.connect(args.redis_url)
     if args.keys_cmd == "create":
         limits = {name: getattr(args, name) for name in tenants.LIMITS if getattr(args, name) is not None}
-        key, tenant = tenants.create(conn, args.name, limits, args.high_priority)
+        key, tenant = tenants.create(conn, args.name, limits, args.high_priority, args.admin)
         print(f"fanout keys: created {tenant.id} ({tenant.name}); the key is shown only now, "
               "API auth is on for every client", file=sys.stderr)
         print(key)

@@ -183,6 +183,7 @@ examples:
     p = command("keys", "API keys (each one a tenant): create, list, revoke; straight to Redis", """\
 examples:
   fanout keys create --name team-a --jobs-in-flight 10 --requests-per-second 20   # prints the key once
+  fanout keys create --name ops --admin   # also sees the fleet (GET /v1/fleet, /ui's Fleet page)
   fanout keys list                 # one JSON line per key: id, name, limits, revoked (never the key)
   fanout keys revoke 3f2a9c0b41d7
 
@@ -198,6 +199,8 @@ KEY), and each key sees only its own jobs.""", cmd_keys)
     for name, text in tenants.LIMITS.items():
         k.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"at most this many {text}")
     k.add_argument("--high-priority", action="store_true", help="may submit with priority: high")
+    k.add_argument("--admin", action="store_true", help="may see the fleet: workers, models, queues "
+                   "(GET /v1/fleet, the dashboard's Fleet page); its jobs are still its own")
     ks.choices["revoke"].add_argument("id", help="the key's id (from create or list)")
 
     p = command("generate", "offline: run a JSONL batch file through the engine here (no Redis, no API)", """\

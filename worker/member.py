@@ -1,7 +1,8 @@
-"""This process as a member of the fleet: an rq worker (registration, state, its heartbeat,
-rq's registry maintenance and scheduler of delayed jobs) that also heartbeats the
-executions of the shards it runs and its model's entry among the served models
-(jobs/models.py: GET /v1/models, and the API's checks of a request's model, images and tools).
+"""This process as a member of the fleet: an rq worker (registration, state, its heartbeat
+with its model and tokens/s for GET /v1/fleet, rq's registry maintenance and scheduler of
+delayed jobs) that also heartbeats the executions of the shards it runs and its model's entry
+among the served models (jobs/models.py: GET /v1/models, and the API's checks of a request's
+model, images and tools).
 It takes shards from its model's queues alone (jobs.spec.queues).
 
 rq's `BaseWorker` lives here alone: the Fanout worker uses its registration and
@@ -15,6 +16,7 @@ it, and at once after an outage (`beat_soon`).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -49,6 +51,7 @@ class Member(BaseWorker):
         self.heartbeat_ttl = settings.heartbeat_ttl
         self.heartbeat_s = settings.heartbeat_ttl / 3
         self._next_beat = 0.0
+        self._counted: tuple[float, int, int] | None = None  # (when, prefill, decode tokens) at the last beat
         self.delayed = RQScheduler(self.queues, connection, serializer=JSONSerializer)
         self._next_schedule = 0.0
 
@@ -123,6 +126,7 @@ class Member(BaseWorker):
                 a.claim.execution.heartbeat(a.claim.job.started_job_registry, self.heartbeat_ttl, pipeline=pipe)
             models.announce(pipe, self.model, self._model_since, self.heartbeat_ttl, self.served,
                             self.engine.adapters())
+            pipe.hset(self.key, "fanout", json.dumps(self.figures()))
             answers = pipe.execute()
         if answers[len(running)] == 1:  # our worker key was new: Redis lost it, so register again
             with self.connection.pipeline() as pipe:
@@ -130,6 +134,19 @@ class Member(BaseWorker):
                 worker_registration.register(self, pipe)
                 pipe.execute()
         return [a for a, score in zip(running, answers) if score is None]
+
+    def figures(self) -> dict:
+        """What GET /v1/fleet shows of this worker beside rq's fields (kept in its rq hash,
+        field `fanout`): its model, and the tokens its engine ran per second since the last
+        beat (a rate over the beat interval, like `rate()` of the worker's token counters,
+        which need --metrics-port and a Prometheus)."""
+        t, stats = time.monotonic(), self.engine.stats()
+        now = (t, stats.prefill_tokens, stats.decode_tokens)
+        last, self._counted = self._counted or now, now
+        dt = t - last[0]
+        prefill, decode = ((n - m) / dt if dt > 0 else 0.0 for n, m in zip(now[1:], last[1:]))
+        return {"model": self.model, "prefill_tokens_per_s": round(prefill, 1),
+                "decode_tokens_per_s": round(decode, 1)}
 
     def schedule(self, t: float) -> None:
         """Once a second, rq's scheduler: move due run_at jobs (held shards, retries) to their

@@ -68,7 +68,7 @@ def test_every_request_example_runs_as_shown_and_the_bounds_are_the_servers(api_
     assert schemas["JobRequest"]["properties"]["prompts"]["anyOf"][0]["maxItems"] == 64
     assert not [name for name in schemas if "__" in name]  # readable names, one per model
     tags = {t for ops in spec["paths"].values() for op in ops.values() for t in op.get("tags", [])}
-    assert tags == {"jobs", "OpenAI", "OpenAI files and batches", "Anthropic", "tokenizer", "admin"}
+    assert tags == {"jobs", "OpenAI", "OpenAI files and batches", "Anthropic", "tokenizer", "admin", "webhooks"}
     assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 1000
     for method, path in (("get", "/v1/nothing"), ("delete", "/v1/chat/completions")):
         r = httpx.request(method, f"{api_url}{path}", timeout=10)
