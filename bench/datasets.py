@@ -5,7 +5,9 @@ prompt and a custom id each, 2 new tokens, greedy), uploaded (POST /v1/files, pu
 dataset) and run (POST /v1/jobs with input_file_id). Mid-run one worker is killed with
 SIGKILL and started again (at a third of the rows), then the API process (at two thirds).
 Then every row is checked through GET /results, a page at a time: answered exactly once,
-in order, with its custom id (`wrong` lists what is not, [] when all is).
+in order, with its custom id (`wrong` lists what is not, [] when all is), and the whole
+output is read as one file, GET /output in JSONL and in Parquet (timed to its last byte,
+then checked the same way: `output_jsonl_rows_per_s`, `output_parquet_rows_per_s`).
 
     python bench/datasets.py                          # 20,000, 1,000,000, then 20,000 rows again
     python bench/datasets.py --rows 20000,200000 --no-kill
@@ -170,6 +172,25 @@ def check(http: httpx.Client, r, job_id: str, rows: int) -> list[str]:
     return wrong
 
 
+def output(http: httpx.Client, job_id: str, rows: int, fmt: str) -> dict:
+    """GET /output in `fmt`, timed to its last byte (the check after it is not timed): every
+    row once, in order, with its custom id."""
+    t = time.perf_counter()
+    with http.stream("GET", f"/v1/jobs/{job_id}/output", params={"format": fmt}) as resp:
+        resp.raise_for_status()
+        body = b"".join(resp.iter_bytes())
+    took = time.perf_counter() - t
+    if fmt == "jsonl":
+        ids = [json.loads(line)["custom_id"] for line in body.splitlines()]
+    else:
+        import io
+
+        import pyarrow.parquet as pq
+        ids = pq.read_table(io.BytesIO(body), columns=["custom_id"]).column("custom_id").to_pylist()
+    wrong = [] if ids == [f"r{i}" for i in range(rows)] else [f"/output {fmt}: {len(ids)} rows, not each once in order"]
+    return {"s": round(took, 2), "rows_per_s": round(rows / took), "mb": round(len(body) / 2**20, 1), "wrong": wrong}
+
+
 def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
     svc = Service(model, work)
     http = httpx.Client(base_url=svc.url, timeout=3600)
@@ -216,6 +237,11 @@ def run(model: str, path: str, rows: int, work: str, kill: bool) -> dict:
         t = time.perf_counter()
         out["wrong"] = check(http, svc.r, job_id, rows)
         out["read_s"] = time.perf_counter() - t
+        for fmt in ("jsonl", "parquet"):
+            got = output(http, job_id, rows, fmt)
+            out["wrong"] += got.pop("wrong")
+            out.update({f"output_{fmt}_{k}": v for k, v in got.items()})
+        out["api_peak_with_output_mb"] = round(svc.peak["api"], 1)  # its peak reading /output too
         return out
     finally:
         http.close()
