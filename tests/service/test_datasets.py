@@ -156,19 +156,23 @@ def validated(api_url, r) -> dict:
 def test_bad_lines_fail_the_job_naming_them(api_url, worker, redis):
     lines = [{"prompt": "fine"}, "!{not json", {"prompt": ""}, {"prompt": "x", "sampling_params": {"top_p": 7}},
              {"prompt": "x", "sampling_params": {"max_new_tokens": 5000}}, {"prompt": "x", "custom_id": "a"},
-             {"prompt": "y", "custom_id": "a"}, {"input_ids": [1, 2]}, {"prompt": "x", "extra": 1}]
+             {"prompt": "y", "custom_id": "a"}, {"input_ids": [1, 2]}, {"prompt": "x", "extra": 1},
+             # After line 1, lines with its sampling_params take the fast path: their errors the same.
+             {"prompt": "x", "custom_id": "c" * 513}, {"prompt": 5}]
     file_id = upload(api_url, lines)
     job = validated(api_url, httpx.post(api_url + "/v1/jobs", json={"input_file_id": file_id}))
     assert job["status"] == "failed" and job["progress"]["total"] == 0, job
     errors = {tuple(e["loc"][:3]): e for e in job["errors"]}
-    assert set(errors) == {("body", "input_file_id", n) for n in (2, 3, 4, 5, 7, 8, 9)}, job
+    assert set(errors) == {("body", "input_file_id", n) for n in (2, 3, 4, 5, 7, 8, 9, 10, 11)}, job
     assert errors[("body", "input_file_id", 3)]["loc"][3:] == ["prompt"]
     assert errors[("body", "input_file_id", 4)]["loc"][3:] == ["sampling_params", "top_p"]
     assert "FANOUT_MAX_NEW_TOKENS" in errors[("body", "input_file_id", 5)]["msg"]
     assert "used by an earlier line" in errors[("body", "input_file_id", 7)]["msg"]
     assert "same field as the first" in errors[("body", "input_file_id", 8)]["msg"]
     assert errors[("body", "input_file_id", 9)]["loc"][3:] == ["extra"]
-    assert job["error"].startswith("the dataset has errors (7): line 2: line: not JSON"), job["error"]
+    assert errors[("body", "input_file_id", 10)]["loc"][3:] == ["custom_id"]
+    assert errors[("body", "input_file_id", 11)]["loc"][3:] == ["prompt"]
+    assert job["error"].startswith("the dataset has errors (9): line 2: line: not JSON"), job["error"]
     assert "line 3: prompt: " in job["error"]
     # Nothing of it is queued or left to run; its stream says what happened, in order.
     assert not redis.exists(keys.shards(job["id"])) and not redis.sismember(keys.validating(), job["id"])
@@ -241,8 +245,8 @@ def test_a_validation_whose_api_process_is_killed_is_finished_by_another(tmp_pat
     env = {"FANOUT_INPUT_ROOT": str(tmp_path), "FANOUT_VALIDATION_LEASE": str(lease),
            "FANOUT_MODELS": "llama"}  # no worker here: the fleet's model named
     with open(tmp_path / "rows.jsonl", "w") as f:
-        for i in range(60_000):
-            f.write(json.dumps({"prompt": f"row {i}", "custom_id": f"k{i}"}) + "\n")
+        for i in range(60_000):  # a seed per line: each one checked whole (api/dataset.py FAST), slower
+            f.write(json.dumps({"prompt": f"row {i}", "custom_id": f"k{i}", "sampling_params": {"seed": i}}) + "\n")
     dying, url = start_api(server.url, tmp_path, "api-dying", env=env)
     other, other_url = start_api(server.url, tmp_path, "api-other", env=env)
     r = redis_lib.Redis.from_url(server.url)
