@@ -376,6 +376,9 @@ def listing(redis, tenant: Tenant | None, after: str | None, limit: int,
     return found[:limit], len(found) > limit
 
 
+_FLAG = "if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[2], 1, 'EX', ARGV[1]) end"
+
+
 def cancel(redis, job_id: str, settings: Settings) -> str:
     """Request a cancel; returns the status after it. A job none of whose shards runs is
     canceled here (a worker claims a shard only while the flag is absent, in one
@@ -384,7 +387,9 @@ def cancel(redis, job_id: str, settings: Settings) -> str:
     status, _ = status_of(redis, job_id)
     if status in events.TERMINAL:
         return status
-    redis.set(keys.cancel(job_id), 1, ex=settings.job_timeout + settings.result_ttl)
+    # Only while the job is not closed (atomically: a worker may close it meanwhile): a flag set
+    # after the close would outlive the job's other keys, which the close gave their TTL.
+    redis.eval(_FLAG, 2, keys.closed(job_id), keys.cancel(job_id), settings.job_timeout + settings.result_ttl)
     if redis.hlen(keys.running(job_id)):
         return "running"
     publisher.close(redis, job_id, "canceled", settings.result_ttl,

@@ -6,7 +6,7 @@
 An embedded Redis, an API and a worker on bench/engine.py's toy model. Redis's memory
 (`used_memory`) and key count are read before the requests (after a warm-up), right after
 the last answer, and once FANOUT_ONLINE_TTL has passed (every online job's keys are gone
-then: api/jobs.py create). A tenth of the requests are refused by the worker (prompts longer
+then: api/jobs.py create; `keys_left` names any that stayed). A tenth of the requests are refused by the worker (prompts longer
 than the context: a 400), as refused requests used to keep their keys too. Results: stdout
 and bench/out/online.json.
 """
@@ -68,7 +68,7 @@ def run(model: str, requests: int, clients: int, online_ttl: int, device: str = 
             with ThreadPoolExecutor(clients) as pool:
                 list(pool.map(chat, range(50)))  # warm-up: connections, the worker's tokenizer
                 time.sleep(online_ttl + 2)  # the warm-up's jobs gone too
-                before = memory(conn)
+                before, known = memory(conn), set(conn.scan_iter(count=1000))
                 t = time.perf_counter()
                 codes = Counter(pool.map(chat, range(requests)))
                 took = time.perf_counter() - t
@@ -79,6 +79,7 @@ def run(model: str, requests: int, clients: int, online_ttl: int, device: str = 
                 settled = memory(conn)
                 if settled["keys"] <= before["keys"]:
                     break
+            conn_left = set(conn.scan_iter(count=1000))
     finally:
         for p in (worker, api):
             if p.poll() is None:
@@ -86,10 +87,11 @@ def run(model: str, requests: int, clients: int, online_ttl: int, device: str = 
                 p.wait(60)
         conn.close()
         server.stop()
+    left = sorted(k.decode() for k in set(conn_left) - known)[:10]
     return {"requests": requests, "clients": clients, "online_ttl": online_ttl, "codes": dict(codes),
             "seconds": took, "requests_s": requests / took, "before": before, "right_after": after,
             "after_grace": settled, "ratio_after_grace": settled["used_memory"] / before["used_memory"],
-            "ratio_right_after": after["used_memory"] / before["used_memory"]}
+            "ratio_right_after": after["used_memory"] / before["used_memory"], "keys_left": left}
 
 
 def main() -> None:
