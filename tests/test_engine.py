@@ -485,3 +485,18 @@ print(json.dumps(dict(tracked=tracked, frozen=frozen, after=len(gc.get_objects()
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["tracked"] > 100_000 and got["frozen"] >= got["tracked"] // 2, got
     assert got["after"] < got["tracked"] // 100 and got["same"], got
+
+
+def test_threads_sets_torchs_cpu_threads(llama_path):
+    """--threads (EngineConfig.threads): the process's torch threads; none given, torch's own."""
+    from worker.engine import EngineConfig
+    before = torch.get_num_threads()
+    try:
+        Engine(llama_path, threads=1, kv_tokens=256)
+        assert torch.get_num_threads() == 1
+        Engine(llama_path, kv_tokens=256)
+        assert torch.get_num_threads() == 1  # left as it was
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads: must be >= 1"):
+        EngineConfig(threads=0)

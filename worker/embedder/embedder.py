@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from worker.engine.config import EngineConfig
 from worker.engine.engine import EngineStats
 from worker.engine.events import Event, Usage
-from worker.engine.model_runner import resolve_device
+from worker.engine.model_runner import resolve_device, use_threads
 from worker.engine.models.loader import resolve_dtype, resolve_model_path
 
 from . import layout as layouts
@@ -62,6 +62,7 @@ class Embedder:
         self.layout = layouts.read(path)
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             mc = json.load(f)
+        use_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         # BERT's encoder, or a causal LM of the engine's registry (decoder.py)

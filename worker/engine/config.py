@@ -27,6 +27,9 @@ class EngineConfig:
                         env="FANOUT_DEVICE", cli_default="auto")
     dtype: str | None = _knob(None, "float32, bfloat16 or float16 (default: float32 on a CPU, "
                                     "bfloat16 on a GPU)")
+    threads: int | None = _knob(None, "torch threads on a CPU (default: every core this process may "
+                                      "use; N workers on one host: give each its share, cores / N, or "
+                                      "they contend for the cores)", env="FANOUT_THREADS")
     page_size: int = _knob(16, "tokens per KV cache page")
     kv_tokens: int | None = _knob(None, "KV cache size in tokens (default: on a GPU, "
                                         "kv_memory_fraction of the memory left after the weights, "
@@ -96,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"max_loras: {self.max_loras} for {len(loras)} adapters given")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if self.step_share is not None and self.step_share < 0:
             raise ValueError(f"step_share: must be >= 0, got {self.step_share}")
         if self.kv_tokens is not None and self.kv_tokens < 1:

@@ -36,11 +36,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def use_threads(threads: int | None) -> None:
+    """torch's CPU threads for this process (EngineConfig.threads; None: torch's default,
+    every core it may use)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 class ModelRunner:
     """Owns the model and the attention backend; uses (never allocates from) the KV pools
     that `attach_kv` hands it."""
 
     def __init__(self, model_path: str, cfg: EngineConfig):
+        use_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
         self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
