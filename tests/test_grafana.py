@@ -95,7 +95,7 @@ def metric_names(expr: str) -> set[str]:
     strings, and not a function (followed by `(`), an aggregation or a keyword. A selector
     by `{__name__="x"}` counts as x."""
     tokens = [(m.lastgroup, m.group()) for m in TOKEN.finditer(expr) if m.lastgroup != "space"]
-    names, i, depth_braces = set(), 0, 0
+    names, i = set(), 0
     label_list = {"by", "without", "on", "ignoring", "group_left", "group_right"}
     while i < len(tokens):
         kind, text = tokens[i]
