@@ -12,7 +12,10 @@ Memory is bounded: a follower's queue holds MAX_QUEUED batches; one that falls b
 client) leaves the hub and catches up on its own, as it started, losing nothing. Past
 `FANOUT_MAX_STREAMS` followers a new one is refused (503, logged), never an empty stream.
 Every REVOKE_CHECK seconds the hub looks up the API keys of its followers; the followers
-of a revoked key end with `closed` set.
+of a revoked key end with `closed` set. While a stream has a follower here, its followed
+flag (keys.followed) is set, at once and every keys.FOLLOWED_RENEW seconds with a TTL of
+keys.FOLLOWED_TTL: a job's workers send its deltas only while it is (worker/publish.py), so a
+batch nobody watches costs Redis its finals alone.
 """
 from __future__ import annotations
 
@@ -141,6 +144,7 @@ class Hub:
             raise TooManyStreams(self.limit)
         f = Follower(self, key, last, tenant_id)
         self.followers.add(f)
+        asyncio.get_running_loop().create_task(self._mark({key}))
         return f
 
     def subscribe(self, f: Follower) -> None:
@@ -169,9 +173,27 @@ class Hub:
         except redis.exceptions.RedisError:
             pass  # the next block ends within BLOCK_MS anyway
 
+    async def _mark(self, stream_keys: set[str]) -> None:
+        """Set the followed flags of these streams (keys.followed)."""
+        if not stream_keys:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key in stream_keys:
+                    pipe.set(keys.followed(key), 1, ex=keys.FOLLOWED_TTL)
+                await pipe.execute()
+        except redis.exceptions.RedisError:
+            pass  # renewed at the next round; meanwhile the stream gets its finals
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(keys.FOLLOWED_RENEW)
+            await self._mark({f.key for f in self.followers})
+
     async def run(self) -> None:
         """The reader, until cancelled; rides out Redis outages (followers see no entries)."""
         checker = asyncio.get_running_loop().create_task(self._check_keys())
+        renewer = asyncio.get_running_loop().create_task(self._renew())
         try:
             while True:
                 streams = {self.wake_key: self.wake_last}
@@ -192,6 +214,7 @@ class Hub:
                     self._hand_out(key, entries, streams[key])
         finally:
             checker.cancel()
+            renewer.cancel()
             await self.reader.aclose()
 
     def _hand_out(self, key: str, entries: list, since: str) -> None:

@@ -10,8 +10,10 @@ connections, on a simulated engine instead of a model: it runs `--batch` sequenc
 GPU's rate with no GPU. Jobs are submitted as the API submits them (api.jobs.submit), enough
 to keep every worker busy. Over `--seconds` after a warm-up the run reads from Redis's INFO
 its CPU time (user + sys), the commands it ran and the bytes it took in, and counts the
-samples stored and the shards ended (each one claim); per 1,000 samples, and shards a second. Nobody follows the jobs'
-streams (the batch case).
+samples stored and the shards ended (each one claim); per 1,000 samples, and shards a
+second. By default nobody follows the jobs' streams (a batch: finals only); `--followed`
+marks every stream followed, as online requests and watched jobs are (then deltas every
+0.1 s per sample too, which every job sent before workers could tell).
 
 From those: the workers one Redis carries at the GPU rate before its one core is busy
 (`saturating_workers`: 1 CPU-second per second over the Redis CPU one worker's samples cost)
@@ -135,7 +137,8 @@ def redis_counters(conn) -> dict:
             "bytes_in": stats["total_net_input_bytes"], "t": time.monotonic()}
 
 
-def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, warmup: float = 5.0) -> dict:
+def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, warmup: float = 5.0,
+        followed: bool = False) -> dict:
     import redis
 
     from api import jobs
@@ -173,6 +176,8 @@ def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, war
         for _ in range(int(samples_needed // per_job) + workers):
             req = JobRequest(prompts=["p"] * per_job, sampling_params={"max_new_tokens": tokens}, model=MODEL)
             ids.append(jobs.submit(conn, req, settings)["id"])
+            if followed:  # as an API process marks a stream it follows: the workers send deltas
+                conn.set(keys.followed(keys.stream(ids[-1])), 1, ex=3600)
 
         def done() -> tuple[int, int]:
             """(samples stored, shards ended) over every job."""
@@ -203,7 +208,7 @@ def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, war
     cpu_per_sample = (b["cpu_s"] - a["cpu_s"]) / max(1, samples)
     gpu_samples_s = batch * steps / tokens  # one worker at the simulated rate
     saturating = 1.0 / (cpu_per_sample * gpu_samples_s) if cpu_per_sample else float("inf")
-    return {"workers": workers, "batch": batch, "steps": steps, "tokens_per_sample": tokens, "seconds": round(dt, 1),
+    return {"followed": followed, "workers": workers, "batch": batch, "steps": steps, "tokens_per_sample": tokens, "seconds": round(dt, 1),
             "samples": samples, "samples_per_s": round(samples / dt, 1), "shards_per_s": round((eb - ea) / dt, 1),
             "target_samples_per_s": round(workers * gpu_samples_s, 1),
             "steps_per_s": round(samples / dt * tokens / max(1, workers * batch), 1),
@@ -225,9 +230,11 @@ def main() -> None:
     ap.add_argument("--steps", type=float, default=30, help="engine steps a second")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per sample (max_new_tokens)")
     ap.add_argument("--seconds", type=float, default=20, help="the measured window")
+    ap.add_argument("--followed", action="store_true", help="every job's stream followed (deltas sent), "
+                                                            "as online requests and watched jobs are")
     args = ap.parse_args()
     from bench.out_file import save
-    out = run(args.workers, args.batch, args.steps, args.seconds, args.tokens)
+    out = run(args.workers, args.batch, args.steps, args.seconds, args.tokens, followed=args.followed)
     save("fleet_sim", out)
     print(json.dumps(out, indent=2))
 

@@ -239,6 +239,17 @@ def rate(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:rate"
 
 
+FOLLOWED_TTL = 30  # seconds a stream's followed flag lasts unless renewed
+FOLLOWED_RENEW = 10.0  # seconds between a follower's renewals of it
+
+
+def followed(stream_key: str) -> str:
+    """Set while someone follows the stream `stream_key` (an API process: api/streams.py;
+    results.reader.follow), with a TTL of FOLLOWED_TTL renewed every FOLLOWED_RENEW seconds:
+    the job's workers send its deltas only then (worker/publish.py)."""
+    return f"{stream_key}:followed"
+
+
 def webhooks() -> str:
     """The webhook outbox: sorted set of deliveries (`job:<id>`, `batch:<id>`) by when each is
     due; an API process sending one pushes it a lease ahead (api/webhooks.py)."""

@@ -15,12 +15,16 @@ def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
     the trimmed event (results/events.py) where entries after the last one yielded may be
     gone. Raises TimeoutError if that takes longer than `timeout` seconds. `block_ms` must
     stay under the client's socket timeout (redis-py's default: 5 s), or an idle XREAD
-    times out."""
+    times out. While it follows, the stream's followed flag is set (keys.followed): the
+    job's workers send its deltas, not only its finals."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    key, told = keys.stream(job_id), None
+    key, told, marked = keys.stream(job_id), None, 0.0
     while True:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id}: no terminal status within {timeout}s")
+        if time.monotonic() - marked >= keys.FOLLOWED_RENEW:
+            redis.set(keys.followed(key), 1, ex=keys.FOLLOWED_TTL)
+            marked = time.monotonic()
         resp = redis.xread({key: last_id}, count=1000, block=block_ms)
         if not resp:
             continue

@@ -59,6 +59,7 @@ class Active:
     # Unsent deltas: text, token ids, logprobs records (None when not asked).
     pending: dict[tuple[int, int], tuple[str, list[int], list[dict] | None]] = field(default_factory=dict)
     streaming: set[tuple[int, int]] = field(default_factory=set)  # samples whose first delta is out
+    followed: bool = False  # someone follows the job's stream (keys.followed): its deltas are sent
     max_batch_jobs: int = 0
     custom_ids: list[str | None] | None = None  # per item of the shard, for its stream entries
 

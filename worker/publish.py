@@ -4,9 +4,13 @@ Invariants: a finished sample is stored (and counted in its job's progress) in t
 transaction that announces it, before the entry (results/publisher.py); a sample an
 earlier attempt stored is neither stored nor announced again; after its first tokens, a
 sample's deltas go out together at most every `delta_interval` seconds (one entry per
-sample per flush). The same round trip reads the running shards' cancel flags and the
-queue lengths (or, when only a new job's shard may join a full engine, the queues' first
-PEEK shard ids); then the finished shards end and the flagged ones are canceled.
+sample per flush), and only while an API process follows the job's stream (keys.followed,
+read a step late): a job nobody follows (a batch) gets each sample's final alone, its delta
+the whole text, so rebuilding a stream from its deltas stays right, and Redis does a
+fraction of the work. The same round trip reads the running shards' cancel flags, their
+jobs' followed flags and the queue lengths (or, when only a new job's shard may join a
+full engine, the queues' first PEEK shard ids); then the finished shards end and the
+flagged ones are canceled.
 
 `Publisher` owns the flush timer; it reads the engine's room and the queues (member.py),
 and through `Attempts` (attempts.py) records, sends, heartbeats and ends the attempts.
@@ -77,7 +81,7 @@ class Publisher:
             if ev.logprobs_delta is not None:
                 lps = (lps or []) + ev.logprobs_delta
             if not ev.finished:
-                if key not in a.streaming:  # a sample's first tokens go out at once
+                if a.followed and key not in a.streaming:  # a sample's first tokens go out at once
                     a.streaming.add(key)
                     batch.delta(a.job_id, ev.index, ev.sample, text, ids, lps, a.custom_id(ev.index))
                 elif text or ids:
@@ -88,12 +92,16 @@ class Publisher:
         if t >= self._next_flush:
             self._next_flush = t + self.delta_interval
             for a in active.values():
+                if not a.followed:
+                    continue  # nobody reads its stream now: its samples' text goes with their finals
                 for (index, sample), (text, ids, lps) in a.pending.items():
+                    a.streaming.add((index, sample))
                     batch.delta(a.job_id, index, sample, text, ids, lps, a.custom_id(index))
                 a.pending.clear()
         tags = list(active)
         if tags:
             batch.read("mget", [keys.cancel(active[t].job_id) for t in tags])
+            batch.read("mget", [keys.followed(keys.stream(active[t].job_id)) for t in tags])
         peek = not self.engine.has_room() and self.engine.has_room_for_owner()
         for q in self.member.queues:
             if peek:
@@ -108,6 +116,9 @@ class Publisher:
             if a is not None and a.remaining == 0:
                 at.succeed(a)
         if tags:
+            for tag, followed in zip(tags, answers[1]):
+                if tag in active:
+                    active[tag].followed = followed is not None
             for tag, flag in zip(tags, answers[0]):
                 if flag is not None and tag in active:
                     at.cancel(active[tag])

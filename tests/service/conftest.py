@@ -13,6 +13,7 @@ import redis as redis_lib
 
 from cli.redis_server import EmbeddedRedis, free_port
 from jobs.redis_url import connect
+from results import keys
 from worker.engine.models.tiny import build_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,6 +26,12 @@ def entries(r, job_id) -> list[dict]:
     """The job's stream entries, decoded, in order."""
     from results import events, keys
     return [events.decode(f) for _, f in r.xrange(keys.stream(job_id))]
+
+
+def follow_stream(r, job_id: str, seconds: int = 600) -> None:
+    """Set the job's followed flag, as a follower does (keys.followed): its workers send its
+    deltas too, which a test reading the stream raw waits for."""
+    r.set(keys.followed(keys.stream(job_id)), 1, ex=seconds)
 
 
 def wait_for(cond, timeout: float, what: str, interval: float = 0.05):

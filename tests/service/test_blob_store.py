@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import WorkerProc, start_api, wait_for
+from conftest import WorkerProc, follow_stream, start_api, wait_for
 from cli.redis_server import EmbeddedRedis, free_port
 from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
@@ -120,6 +120,7 @@ def test_a_store_that_is_down_fails_clearly_and_loses_nothing_once_back(s3_api, 
     # Its one shard's items read by the worker (a sample is streaming), it runs on, and ends
     # with nowhere to write its files.
     job_stream = keys.stream(b.id.removeprefix("batch_"))
+    follow_stream(redis, b.id.removeprefix("batch_"))
     wait_for(lambda: any(e[b"type"] == b"delta" for _, e in redis.xrange(job_stream)), 60,
              "a first delta")
     s3_server.stop()

@@ -13,7 +13,7 @@ from rq.job import Job
 
 from api import jobs
 from api.schemas import JobRequest
-from conftest import WorkerProc, entries, start_api, wait_for
+from conftest import WorkerProc, entries, follow_stream, start_api, wait_for
 from results import keys, reader
 from results.client import Client
 from cli.redis_server import EmbeddedRedis
@@ -276,6 +276,7 @@ def test_a_shard_reaped_from_a_live_worker_and_taken_again_by_it_counts_no_abort
         for round_ in range(3):
             params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
             job_id = jobs.submit(r, JobRequest(prompts=PROMPTS[:4], sampling_params=params), Settings())["id"]
+            follow_stream(r, job_id)
             wait_for(lambda: any(e["type"] == "delta" for e in entries(r, job_id)), 60, "its samples to stream")
             w.proc.proc.send_signal(signal.SIGSTOP)
             try:  # the reap another worker would do, its execution made to look expired

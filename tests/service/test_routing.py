@@ -16,7 +16,7 @@ import pytest
 import redis as redis_lib
 
 from cli.redis_server import EmbeddedRedis
-from conftest import WorkerProc, entries, start_api, wait_for
+from conftest import WorkerProc, entries, follow_stream, start_api, wait_for
 from jobs import models as fleet
 from results import keys
 from test_openai_batch import chat_line, jsonl, read_lines, wait
@@ -261,6 +261,7 @@ def test_a_models_last_worker_killed_its_job_waits_and_resumes_on_the_next(fleet
     url, r, workers = fleet_of_two["url"], fleet_of_two["redis"], fleet_of_two["workers"]
     params = {**GREEDY, "max_new_tokens": 400}
     job_id = httpx.post(url + "/v1/jobs", json={"prompts": PROMPTS, "model": "qwen", "sampling_params": params}).json()["id"]
+    follow_stream(r, job_id)
     wait_for(lambda: any(e["type"] == "delta" for e in entries(r, job_id)), 60, "its samples to stream")
     workers["qwen"].stop(signal.SIGKILL)
     killed = time.monotonic()

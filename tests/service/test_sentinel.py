@@ -16,7 +16,7 @@ import httpx
 import openai
 import redis as redis_lib
 
-from conftest import WorkerProc, start_api, wait_for
+from conftest import WorkerProc, follow_stream, start_api, wait_for
 from cli.redis_server import free_port, redis_binary
 from jobs.redis_url import connect
 from results import keys, reader
@@ -94,6 +94,7 @@ def test_a_sharded_job_completes_after_the_primary_is_killed(model_dir, engine, 
         r = connect(group.url)
         client = Client(url)
         job = client.submit(prompts=PROMPTS, sampling_params=SP, seed=3)["id"]
+        follow_stream(r, job)
         wait_for(lambda: any(e[b"type"] == b"delta" for _, e in r.xrange(keys.stream(job))), 120,
                  "the first tokens")
 
