@@ -131,10 +131,18 @@ def worker_main(redis_url: str, name: str, batch: int, steps: float, model_dir: 
 
 
 def redis_counters(conn) -> dict:
-    cpu, stats = conn.info("cpu"), conn.info("stats")
-    calls = sum(v["calls"] for v in conn.info("commandstats").values())
-    return {"cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"], "commands": calls,
+    cpu, stats, commands = conn.info("cpu"), conn.info("stats"), conn.info("commandstats")
+    return {"cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"], "commands": sum(v["calls"] for v in commands.values()),
+            "by_command": {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in commands.items()},
             "bytes_in": stats["total_net_input_bytes"], "t": time.monotonic()}
+
+
+def top_commands(a: dict, b: dict, samples: int, n: int = 8) -> dict:
+    """The commands Redis spent most time in over the window: calls and microseconds per sample."""
+    diff = {k: (c - a["by_command"].get(k, (0, 0))[0], u - a["by_command"].get(k, (0, 0))[1])
+            for k, (c, u) in b["by_command"].items()}
+    top = sorted(diff.items(), key=lambda kv: -kv[1][1])[:n]
+    return {k: {"calls": round(c / max(1, samples), 2), "usec": round(u / max(1, samples), 1)} for k, (c, u) in top}
 
 
 def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, warmup: float = 5.0,
@@ -216,7 +224,8 @@ def run(workers: int, batch: int, steps: float, seconds: float, tokens: int, war
             "redis_commands_per_sample": round((b["commands"] - a["commands"]) / max(1, samples), 1),
             "redis_bytes_in_per_sample": round((b["bytes_in"] - a["bytes_in"]) / max(1, samples)),
             "redis_cpu_share": round((b["cpu_s"] - a["cpu_s"]) / dt, 3),
-            "saturating_workers": round(saturating, 1), "workers_at_half_cpu": round(saturating / 2, 1)}
+            "saturating_workers": round(saturating, 1), "workers_at_half_cpu": round(saturating / 2, 1),
+            "per_sample_by_command": top_commands(a, b, samples)}
 
 
 def main() -> None:
