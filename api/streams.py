@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from jobs.redis_url import connect_async
-from results import events, keys
+from results import events, keys, reader
 
 log = logging.getLogger("fanout.api")
 
@@ -180,7 +180,7 @@ class Hub:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for key in stream_keys:
-                    pipe.set(keys.followed(key), 1, ex=keys.FOLLOWED_TTL)
+                    reader.mark_followed(pipe, key)
                 await pipe.execute()
         except redis.exceptions.RedisError:
             pass  # renewed at the next round; meanwhile the stream gets its finals

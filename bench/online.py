@@ -21,15 +21,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, ROOT)  # bench/ itself is not put on the path: its datasets.py would hide Hugging Face's
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from bench.out_file import save  # noqa: E402
 from cli.redis_server import EmbeddedRedis, free_port  # noqa: E402
-from service import spawn, wait  # noqa: E402  (bench/service.py)
+from bench.service import spawn, wait  # noqa: E402
 
 
 def memory(conn) -> dict:
@@ -103,7 +102,7 @@ def main() -> None:
     ap.add_argument("--online-ttl", type=int, default=10, help="FANOUT_ONLINE_TTL for the run (seconds)")
     args = ap.parse_args()
     if args.model is None:
-        from engine import toy_model  # bench/engine.py
+        from bench.engine import toy_model
         args.model = toy_model(os.path.join(ROOT, "bench", "out", "model"))
     out = run(args.model, args.requests, args.clients, args.online_ttl, args.device)
     save("online", out)

@@ -239,6 +239,11 @@ def rate(tenant: str) -> str:
     return f"{PREFIX}:tenant:{tenant}:rate"
 
 
+def job_of_stream(stream_key: str) -> str:
+    """The job id of a job's stream key (stream's inverse)."""
+    return stream_key.removeprefix(f"{PREFIX}:job:").removesuffix(":events")
+
+
 FOLLOWED_TTL = 30  # seconds a stream's followed flag lasts unless renewed
 FOLLOWED_RENEW = 10.0  # seconds between a follower's renewals of it
 
@@ -246,7 +251,8 @@ FOLLOWED_RENEW = 10.0  # seconds between a follower's renewals of it
 def followed(stream_key: str) -> str:
     """Set while someone follows the stream `stream_key` (an API process: api/streams.py;
     results.reader.follow), with a TTL of FOLLOWED_TTL renewed every FOLLOWED_RENEW seconds:
-    the job's workers send its deltas only then (worker/publish.py)."""
+    the job's workers send its deltas only then (worker/publish.py). The job's close deletes
+    it, and it is set only while the job is open (reader.mark_followed)."""
     return f"{stream_key}:followed"
 
 

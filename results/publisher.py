@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 from . import events, keys, listing, progress, store
 
 # KEYS: closed, stream, results, info, cancel, custom_ids, shards, running, kept (all expired),
-# items (deleted: the input is not needed once the job ended), the webhook outbox.
+# items (deleted: the input is not needed once the job ended), the stream's followed flag
+# (deleted: nothing streams after the close), the webhook outbox.
 # ARGV: ttl, status, ended_at, job id, field, value, ...
 # A succeeded job has no error: an earlier attempt's (reaped, retried) stays in the stream.
 # A tenant's job gives back its in-flight slot here, exactly once: the info hash names the
@@ -34,8 +35,8 @@ if ARGV[2] == 'succeeded' then redis.call('HDEL', KEYS[4], 'error') end
 if redis.call('HEXISTS', KEYS[4], 'webhook') == 1 then
   redis.call('ZADD', KEYS[#KEYS], 0, 'job:' .. ARGV[4])
 end
-redis.call('DEL', KEYS[#KEYS - 1])
-for i = 2, #KEYS - 2 do redis.call('EXPIRE', KEYS[i], ttl) end
+redis.call('DEL', KEYS[#KEYS - 2], KEYS[#KEYS - 1])
+for i = 2, #KEYS - 3 do redis.call('EXPIRE', KEYS[i], ttl) end
 return id
 """
 
@@ -133,7 +134,7 @@ def _close_args(job_id: str, status: str, ttl: int, extra: dict) -> list:
     argv += [x for kv in fields.items() for x in kv]
     ks = [keys.closed(job_id), keys.stream(job_id), keys.results(job_id), keys.info(job_id),
           keys.cancel(job_id), keys.custom_ids(job_id), keys.shards(job_id), keys.running(job_id),
-          keys.kept(job_id), keys.items(job_id), keys.webhooks()]
+          keys.kept(job_id), keys.items(job_id), keys.followed(keys.stream(job_id)), keys.webhooks()]
     return [len(ks), *ks, *argv]
 
 

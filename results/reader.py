@@ -9,6 +9,18 @@ from typing import Any
 from . import events, keys
 
 
+# Set a stream's followed flag unless its job is closed (the close deleted it; a renewal must
+# not bring it back). KEYS: closed, the flag. ARGV: its TTL.
+_MARK = "if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[2], 1, 'EX', ARGV[1]) end"
+
+
+def mark_followed(pipe, stream_key: str) -> None:
+    """Queue the setting of a job stream's followed flag (keys.followed) on a client or a
+    pipeline, sync or async."""
+    return pipe.eval(_MARK, 2, keys.closed(keys.job_of_stream(stream_key)), keys.followed(stream_key),
+                     keys.FOLLOWED_TTL)
+
+
 def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
            block_ms: int = 1000) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (entry id, entry) after `last_id` until the job's terminal status entry, and
@@ -23,7 +35,7 @@ def follow(redis, job_id: str, last_id: str = "0", timeout: float | None = None,
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id}: no terminal status within {timeout}s")
         if time.monotonic() - marked >= keys.FOLLOWED_RENEW:
-            redis.set(keys.followed(key), 1, ex=keys.FOLLOWED_TTL)
+            mark_followed(redis, key)
             marked = time.monotonic()
         resp = redis.xread({key: last_id}, count=1000, block=block_ms)
         if not resp:

@@ -137,9 +137,15 @@ def test_a_prompt_that_cannot_run_is_a_400_streamed_or_not(oai):
     assert e.value.param == "messages" and "context" in e.value.message, e.value.message
 
 
+def jobs_in_redis(r) -> set[str]:
+    """The ids of every job with a key in Redis (online jobs are not listed)."""
+    return {k.decode().split(":")[2] for k in r.scan_iter("fanout:job:*", count=1000)}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_goes_away_cancels_its_job(api_url, worker, stream):
+def test_a_client_that_goes_away_cancels_its_job(api_url, worker, stream, redis):
     body = {"model": "llama", "messages": CHAT, "max_tokens": 900, "ignore_eos": True, "stream": stream}
+    before = jobs_in_redis(redis)
     # Not streamed, it waits 0.5 s for an answer that takes 900 decode steps, then goes away.
     with httpx.Client(timeout=httpx.Timeout(10, read=10 if stream else 0.5)) as c:
         try:
@@ -152,10 +158,10 @@ def test_a_client_that_goes_away_cancels_its_job(api_url, worker, stream):
             assert not stream
         else:
             assert stream, "the whole answer came before the client went away"
-    newest = httpx.get(api_url + "/v1/jobs", params={"limit": 1}).json()["data"][0]
-    assert newest["priority"] == "high"  # the request's job
+    (job_id,) = jobs_in_redis(redis) - before  # the request's job (online jobs are not listed)
+    assert httpx.get(f"{api_url}/v1/jobs/{job_id}").json()["priority"] == "high"
     deadline = time.monotonic() + 15
-    while (job := httpx.get(f"{api_url}/v1/jobs/{newest['id']}").json())["status"] != "canceled":
+    while (job := httpx.get(f"{api_url}/v1/jobs/{job_id}").json())["status"] != "canceled":
         assert time.monotonic() < deadline, job
         time.sleep(0.2)  # canceled, not succeeded: it stopped before its 900 tokens
 
@@ -222,11 +228,8 @@ def test_online_requests_leave_nothing_behind(redis_url, worker, tmp_path_factor
     proc, url = start_api(redis_url, tmp_path_factory.mktemp("online-ttl"), "api-online-ttl",
                           env={"FANOUT_ONLINE_TTL": str(grace)})
     r = redis_lib.Redis.from_url(redis_url)
-
-    def jobs_in_redis() -> set[str]:
-        return {k.decode().split(":")[2] for k in r.scan_iter("fanout:job:*", count=1000)}
     try:
-        before = jobs_in_redis()
+        before = jobs_in_redis(r)
         with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
             answered = [c.chat.completions.create(model="llama", messages=CHAT, max_tokens=2).id for _ in range(3)]
             with pytest.raises(openai.BadRequestError):  # refused by the worker: longer than the context
@@ -239,7 +242,7 @@ def test_online_requests_leave_nothing_behind(redis_url, worker, tmp_path_factor
         wait_for(lambda: all(httpx.get(f"{url}/v1/jobs/{j}").status_code == 404 for j in ids), grace + 10,
                  "the online jobs to go")
         time.sleep(1)  # the refused request's job ended before the answered ones'
-        assert jobs_in_redis() - before == {native}  # every key of every online job gone, the refused one's too
+        assert jobs_in_redis(r) - before == {native}  # every key of every online job gone, the refused one's too
         assert not any(r.zscore(k, j) for j in ids for k in r.scan_iter("fanout:jobs*"))
         assert httpx.get(f"{url}/v1/jobs/{native}").status_code == 200  # FANOUT_RESULT_TTL
     finally:
