@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
@@ -32,6 +33,23 @@ def follow_stream(r, job_id: str, seconds: int = 600) -> None:
     """Set the job's followed flag, as a follower does (keys.followed): its workers send its
     deltas too, which a test reading the stream raw waits for."""
     r.set(keys.followed(keys.stream(job_id)), 1, ex=seconds)
+
+
+def later(seconds=3600) -> str:
+    """An ISO time `seconds` from now (a run_at that keeps a job scheduled)."""
+    return (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
+
+
+def fanout(*args):
+    """`fanout ARGS` run to its end (the operator's commands: keys, ...)."""
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def http(url, key=None) -> httpx.Client:
+    """A client of the API at `url`, with `key` as its bearer token if given."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=url, headers=headers, timeout=10)
 
 
 def wait_for(cond, timeout: float, what: str, interval: float = 0.05):

@@ -3,38 +3,19 @@ Redis, so the other tests' shared one must never see one): open mode until a key
 the `fanout keys` commands as an operator runs them, 401 without a valid key, isolation on
 every job route, idempotency keys per tenant, the high-priority right and each limit (429)."""
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import redis as redis_lib
 
 from api import tenants
-from conftest import ROOT, WorkerProc, start_api, wait_for
+from conftest import WorkerProc, fanout, http, later, start_api, wait_for
 from results.client import Client
 from cli.redis_server import EmbeddedRedis
 
 JOB = {"prompts": ["a b c"], "sampling_params": {"max_new_tokens": 4}}
-
-
-def later(seconds=3600):
-    return (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
-
-
-def fanout(*args):
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def http(url, key=None):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=10)
 
 
 def test_open_mode_until_a_key_exists_then_the_keys_commands(tmp_path):

@@ -10,21 +10,17 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-from datetime import datetime, timedelta, timezone
 from html.parser import HTMLParser
 from types import SimpleNamespace
 from urllib.parse import urljoin, urlsplit
 
-import httpx
 import pytest
 import redis as redis_lib
 
 from api import tenants
 from cli.redis_server import EmbeddedRedis
 from jobs import models
-from conftest import ROOT, WorkerProc, start_api, wait_for
+from conftest import ROOT, WorkerProc, fanout, http, later, start_api, wait_for
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -41,19 +37,6 @@ SHORT = {"max_new_tokens": 24, "ignore_eos": True}
 LONG = {"prompts": [f"long item {i}" for i in range(64)],
         "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "n": 8}}
 SHOTS = os.environ.get("FANOUT_UI_SCREENSHOTS")
-
-
-def later(seconds=3600):
-    return (datetime.now(timezone.utc) + timedelta(seconds=seconds)).isoformat()
-
-
-def fanout(*args):
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def http(url, key=None):
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
 
 
 @pytest.fixture(scope="module")
