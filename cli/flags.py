@@ -112,7 +112,8 @@ WORKER_OPTIONS = {
                                                           "to the queue (a second signal: at once)"),
     "--delta-interval": dict(type=float, default=float(ENV("FANOUT_DELTA_INTERVAL", "0.1")),
                              help="seconds between a sample's delta entries on the stream, after its "
-                                  "first tokens (env FANOUT_DELTA_INTERVAL)"),
+                                  "first tokens; also the longest a step's writes wait when nobody "
+                                  "follows the stream (env FANOUT_DELTA_INTERVAL)"),
     "--metrics-port": dict(type=int, default=ENV("FANOUT_METRICS_PORT"),
                            help="serve the worker's Prometheus metrics on this port (default: none; "
                                 "env FANOUT_METRICS_PORT)"),

@@ -11,6 +11,12 @@
 
 Each end is one transaction in Redis (shards.settle), applied once across outages.
 
+`carry` holds the writes of engine steps not sent yet (publish.py sends a step's writes
+together with the next ones when nobody follows the stream): every end sends it first, so
+a shard never ends before its samples are stored; an attempt dropped here (reaped: it runs
+elsewhere now) takes the carried writes with it, and the other attempts in them are handed
+back, as after an outage (`send`).
+
 `Attempts` owns `active`. Invariant: `active` holds exactly the attempts this worker has
 claimed and not ended, each with its requests in the engine under its tag, and rq's
 `executions` of the worker (member.py) the same attempts' executions; every request of an
@@ -96,6 +102,7 @@ class Attempts:
         self.metrics = metrics
         self.blobs = blobs.open_store(settings.storage_url)  # the items of jobs that keep them there
         self.active: dict[str, Active] = {}
+        self.carry = Batch(self.connection)  # writes of engine steps not sent yet (publish.py)
 
     def start(self, job: Job, queue: Queue) -> None:
         m = self.member
@@ -193,6 +200,15 @@ class Attempts:
 
         return self.link.send(batch, still_ours)
 
+    def flush(self) -> list | None:
+        """Send the carried writes (and the reads the publisher queued on them): their
+        answers, or None when the batch was dropped (Attempts.send)."""
+        batch, self.carry = self.carry, Batch(self.connection)
+        return self.send(batch)
+
+    def _discard_carry(self) -> None:
+        self.carry = Batch(self.connection)
+
     def heartbeat(self) -> None:
         """Heartbeat the worker and every running attempt (Member.beat); an attempt whose
         execution was reaped meanwhile runs elsewhere now, and is dropped here."""
@@ -237,6 +253,8 @@ class Attempts:
     def _settle(self, a: Active, outcome: str, error: str | None = None, on_pipe=None) -> str | None:
         """End this attempt of the shard in Redis (jobs/shards.py), once, across outages.
         A job that keeps its items in the blob store has its stream trimmed as shards end."""
+        if a.job_id in self.carry.jobs:  # its samples stored before it ends
+            self.flush()
         c = a.claim
         return shards.settle(self.connection, c.job_id, c.k, c.job, c.execution, outcome,
                              self.settings.result_ttl, self.link.wait_for_redis, error=error,
@@ -304,10 +322,16 @@ class Attempts:
             self.metrics.attempt("handed_back")
 
     def drop(self, a: Active) -> None:
-        """Forget a job here without writing anything for it."""
+        """Forget a job here without writing anything for it: the carried writes go too if
+        they hold some of its (the attempts they also hold are handed back)."""
         self.engine.abort(a.tag)
         self._done(a)
         self.metrics.attempt("dropped")
+        if a.job_id in self.carry.jobs:
+            jobs = self.carry.jobs
+            self._discard_carry()
+            for b in [b for b in self.active.values() if b.job_id in jobs]:
+                self.hand_back(b, "a shard of its job was reaped here; handed back with it")
 
     def time_out(self, t: float) -> None:
         """Fail the attempts past their job's timeout at monotonic time `t` (retried while
@@ -331,6 +355,7 @@ class Attempts:
         if self.active:
             log.error("redis came back without writes it had acknowledged: dropping %d running jobs; "
                       "they resume from what redis kept once their heartbeat expires", len(self.active))
+        self._discard_carry()
         for a in list(self.active.values()):
             self.drop(a)
 
@@ -338,6 +363,7 @@ class Attempts:
         """Redis is away past the drain's deadline (Link's on_abandon): no hand-back without
         Redis, so the requests leave the engine and nothing is written; the shards are
         retried elsewhere once their executions expire."""
+        self._discard_carry()
         for a in list(self.active.values()):
             self.engine.abort(a.tag)
             self.member.executions.pop(a.claim.execution.id, None)

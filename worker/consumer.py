@@ -14,8 +14,9 @@ jobs, so `Consumer` registers as an rq worker (member.py) but runs its own loop:
            runs nothing of (admission.py)
     step   one engine step; its events for all shards go to Redis in one transaction
            (publish.py), which also reads the cancel flags and the queue lengths: one round
-           trip per step. A shard whose samples are all done ends, and the job with it if
-           it was the last
+           trip per step, or per delta interval when nobody follows the running jobs'
+           streams (the steps between are carried). A shard whose samples are all done
+           ends, and the job with it if it was the last
 
 The parts, each an object that owns its state, wired here and nowhere else:
 

@@ -1,18 +1,32 @@
-"""One engine step's events -> one Redis transaction for every shard in the step.
+"""One engine step's events -> one Redis transaction for every shard in the step, or for
+several steps when nobody follows their streams.
 
 Invariants: a finished sample is stored (and counted in its job's progress) in the same
 transaction that announces it, before the entry (results/publisher.py); a sample an
 earlier attempt stored is neither stored nor announced again; after its first tokens, a
-sample's deltas go out together at most every `delta_interval` seconds (one entry per
-sample per flush), and only while an API process follows the job's stream (keys.followed,
-read a step late): a job nobody follows (a batch) gets each sample's final alone, its delta
-the whole text, so rebuilding a stream from its deltas stays right, and Redis does a
-fraction of the work. The same round trip reads the running shards' cancel flags, their
-jobs' followed flags and the queue lengths (or, when only a new job's shard may join a
-full engine, the queues' first PEEK shard ids); then the finished shards end and the
+sample's deltas go out together at most every `interval` seconds (one entry per sample per
+flush), and only while an API process follows the job's stream (keys.followed, read with
+each send): a job nobody follows (a batch) gets each sample's final alone, its delta the
+whole text, so rebuilding a stream from its deltas stays right, and Redis does a fraction
+of the work.
+
+When to send: every step while a running job is followed (its first tokens and finals go
+out at once), a shard has finished all its samples (it ends, after them) or the engine has
+room (a queued shard may join at once); otherwise (a full engine of batches) a step's
+writes are carried (Attempts.carry) and go with a later step's, at most `interval` seconds
+after the last send: a GPU stepping 30 times a second then makes one round trip to Redis
+every 3 steps, not every step, and Redis's cost per sample is mostly round trips
+(docs/benchmarks.md). A new job's shard that may join the full engine beside the others
+(Engine.has_room_for_owner) is seen at the next send, within `interval`. Every end of an
+attempt sends the carried writes first (attempts.py).
+
+The same round trip reads the running shards' cancel flags, their jobs' followed flags
+and the queue lengths (or, when only a new job's shard may join a full engine, the
+queues' first PEEK shard ids): a cancel is seen, and a queued shard taken, within
+`interval` (or one step, when the step is longer); then the finished shards end and the
 flagged ones are canceled.
 
-`Publisher` owns the flush timer; it reads the engine's room and the queues (member.py),
+`Publisher` owns the send timer; it reads the engine's room and the queues (member.py),
 and through `Attempts` (attempts.py) records, sends, heartbeats and ends the attempts.
 """
 from __future__ import annotations
@@ -20,7 +34,6 @@ from __future__ import annotations
 import time
 
 from results import keys, store
-from results.publisher import Batch
 
 from .attempts import Attempts
 from .member import Member
@@ -43,25 +56,27 @@ def sample_record(ev) -> dict:
 
 
 class Publisher:
-    def __init__(self, engine, attempts: Attempts, member: Member, link: Link, delta_interval: float):
+    def __init__(self, engine, attempts: Attempts, member: Member, link: Link, interval: float):
         self.engine = engine
         self.attempts = attempts
         self.member = member
         self.link = link
         # After its first tokens, a sample's deltas are sent together at most every
-        # delta_interval seconds: one stream entry per sample per flush, not per token.
-        self.delta_interval = delta_interval
-        self._next_flush = 0.0
+        # `interval` seconds (one stream entry per sample per flush, not per token), and
+        # an unfollowed step's writes at most that late (the module's docstring).
+        self.interval = interval
+        self._next_send = 0.0
 
     def publish(self, events: list) -> tuple[bool, list[list[bytes]] | None]:
-        """One step's events -> one Redis transaction, which also reads the cancel flags and
-        the queues; then finish the completed shards and cancel the flagged ones. Returns
-        whether shards are queued, and when the engine has room only for a new job's shard
-        (Engine.has_room_for_owner) the first shard ids of each queue."""
+        """One step's events -> the carried writes (Attempts.carry); when due, one Redis
+        transaction with them, which also reads the cancel flags and the queues; then finish
+        the completed shards and cancel the flagged ones. Returns whether shards are queued
+        (False when nothing was sent), and when the engine has room only for a new job's
+        shard (Engine.has_room_for_owner) the first shard ids of each queue."""
         at, active = self.attempts, self.attempts.active
         if self.member.beat_due(time.monotonic()):  # after a long step: are the shards still ours?
             self.link.retrying(at.heartbeat)
-        batch = Batch(self.link.connection)
+        batch = at.carry
         in_step = {ev.tag for ev in events if ev.tag in active}
         jobs_in_step = {active[t].job_id for t in in_step}
         for job_id in jobs_in_step:
@@ -89,8 +104,9 @@ class Publisher:
                 continue
             at.record(batch, a, ev.index, ev.sample, sample_record(ev), text, ids)
         t = time.monotonic()
-        if t >= self._next_flush:
-            self._next_flush = t + self.delta_interval
+        due = t >= self._next_send
+        if due:
+            self._next_send = t + self.interval
             for a in active.values():
                 if not a.followed:
                     continue  # nobody reads its stream now: its samples' text goes with their finals
@@ -98,17 +114,21 @@ class Publisher:
                     a.streaming.add((index, sample))
                     batch.delta(a.job_id, index, sample, text, ids, lps, a.custom_id(index))
                 a.pending.clear()
+        finished = any(active[tag].remaining == 0 for tag in in_step)
+        room = self.engine.has_room()  # a queued shard may join now: read the queues
+        if not (due or finished or room or any(a.followed for a in active.values())):
+            return False, None  # carried: sent with a later step's writes
         tags = list(active)
         if tags:
             batch.read("mget", [keys.cancel(active[t].job_id) for t in tags])
             batch.read("mget", [keys.followed(keys.stream(active[t].job_id)) for t in tags])
-        peek = not self.engine.has_room() and self.engine.has_room_for_owner()
+        peek = not room and self.engine.has_room_for_owner()
         for q in self.member.queues:
             if peek:
                 batch.read("lrange", q.key, 0, PEEK - 1)
             else:
                 batch.read("llen", q.key)
-        answers = at.send(batch)
+        answers = at.flush()
         if answers is None:
             return False, None
         for tag in in_step:
