@@ -1,11 +1,14 @@
 """KV pools, allocator and radix cache: bookkeeping and the free + cached + in use invariant."""
+import os
 import random
 
 import pytest
 import torch
 
 from worker.engine.kv_manager import KVManager
+from worker.engine.host_memory import available_memory
 from worker.engine.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+from worker.engine.model_runner import cpu_kv_tokens
 from worker.engine.req import Req
 from worker.engine.sampling_params import SamplingParams
 
@@ -206,3 +209,42 @@ def test_eviction_work_grows_with_what_is_evicted_not_the_tree():
     assert cache.cached_pages == 3 * 20_000 - 3 * 1000
     assert cache.match_prefix([999, 1, 2, 7])[0] is None and cache.match_prefix([1000, 1, 2, 7])[0] is not None
     cache.check()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_cpu_pool_takes_memory_as_its_pages_are_used():
+    """A 1 GiB pool: zeros everywhere, and the process grows by what is written, not 1 GiB."""
+    before = _rss()
+    kv = KVPool(4, 4096, 16, 8, 512, torch.float32, "cpu")  # 4 x 2 x 65,536 slots x 16 KiB
+    assert kv.k[0].shape == (65536, 8, 512) and len(kv.k) == len(kv.v) == 4
+    assert all(t.is_contiguous() for t in kv.k + kv.v)
+    assert _rss() - before < 64 * 2**20
+    assert not any(t[::997].any() for t in kv.k + kv.v)  # reads as zeros (and commits nothing)
+    pages = kv.allocator.alloc(64)
+    for t in kv.k + kv.v:  # 64 pages x 16 slots x 16 KiB in each of the 8 buffers: 128 MiB written
+        t[pages[0] * 16:(pages[-1] + 1) * 16] = 1.0
+    grown = _rss() - before
+    assert 128 * 2**20 <= grown < 320 * 2**20, grown
+    assert kv.k[3][pages[0] * 16].eq(1).all() and kv.v[0][0].eq(0).all()  # layers apart
+
+
+def test_cpu_pool_sizing():
+    GiB, per_token = 2**30, 46080  # SmolLM2-135M's KV bytes a token in fp32
+    # Enough memory: every running request's share (1,024 tokens, or a context if shorter).
+    assert cpu_kv_tokens(per_token, 8, 8192, 64 * GiB) == (8192, "8 running requests x 1024 tokens")
+    assert cpu_kv_tokens(per_token, 8, 512, 64 * GiB)[0] == 8 * 512
+    # Bounded by a quarter of what is available, and never below one full context.
+    tokens, why = cpu_kv_tokens(per_token, 256, 8192, 20 * GiB)
+    assert tokens == 5 * GiB // per_token and why == "a quarter of the 20.0 GiB available"
+    assert cpu_kv_tokens(per_token, 256, 8192, GiB // 4)[0] == 8192
+    # Memory unknown: 2 GiB at most.
+    assert cpu_kv_tokens(per_token, 256, 8192, None)[0] == 2 * GiB // per_token
+
+
+def test_available_memory_is_read():
+    got = available_memory()
+    assert got is not None and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -33,8 +33,9 @@ class EngineConfig:
     page_size: int = _knob(16, "tokens per KV cache page")
     kv_tokens: int | None = _knob(None, "KV cache size in tokens (default: on a GPU, "
                                         "kv_memory_fraction of the memory left after the weights, "
-                                        "a warm-up forward and the CUDA graphs; on a CPU, 2 GiB "
-                                        "or 64 full contexts)")
+                                        "a warm-up forward and the CUDA graphs; on a CPU, "
+                                        "max_running requests of 1,024 tokens, at most a quarter "
+                                        "of the free memory, taken as used)")
     kv_memory_fraction: float = _knob(0.85, "share of the free GPU memory the KV cache takes "
                                             "when kv_tokens is not given")
     max_running: int = _knob(256, "requests in the engine (holding KV) at once")

@@ -1,4 +1,5 @@
-"""The CPU path's allocator setting: freed activation buffers stay in the process's heap.
+"""The CPU path's host memory: what is free at start (available_memory, which sizes the
+default KV pool), and the allocator setting: freed activation buffers stay in the heap.
 
 A forward allocates its activations afresh in every layer ([tokens, intermediate] for the MLP:
 12 MB at a 2,048-token chunk of SmolLM2). glibc's malloc serves such blocks with mmap and
@@ -40,3 +41,23 @@ def keep_freed_blocks() -> bool:
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, TOP_PAD)))
     _done = ok
     return ok
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the kernel's MemAvailable, or less where a cgroup
+    (a container's memory limit) allows less; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError):
+        pass
+    return min(found, default=None)

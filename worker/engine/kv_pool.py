@@ -4,8 +4,15 @@ KVManager (kv_manager.py) creates them and is the only one that allocates or fre
 A slot is one token's K and V in every layer. Slots come in pages of `page_size`;
 slot = page * page_size + offset. Page 0 is reserved as a scratch page (padded rows
 of a CUDA graph write there), so `num_pages - 1` pages are usable.
+
+On a CPU the pool is one anonymous mapping: its pages read as zeros and take memory only
+once written, and the allocator hands out low pages first and reuses freed pages first, so
+the process holds the KV its requests (and the prefix cache) have used at most, not the
+pool's size.
 """
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -44,13 +51,27 @@ class KVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cpu":
+            size = 2 * num_layers * self.num_slots * num_kv_heads * head_dim * _itemsize(dtype)
+            # The tensor keeps the mapping alive; zero pages until written (the module doc).
+            mapping = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer first-use faults
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            buffers = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype)
+            layers = list(buffers.view(2 * num_layers, *shape))
+            self.k, self.v = layers[:num_layers], layers[num_layers:]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = PageAllocator(num_pages, page_size)
 
     @staticmethod
     def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class ReqToTokenPool:

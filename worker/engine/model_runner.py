@@ -6,6 +6,11 @@ tokens (logits for every one of them: the largest step the scheduler can run) me
 activation memory, and an eager run of the largest padded decode batch estimates what the
 CUDA graphs will hold. The KV pool gets `kv_memory_fraction` of the memory still free once
 those two are set aside (the LoRA adapter slots, lora.py, are allocated before: gone too).
+
+Sizing on a CPU: room for every running request at a typical length (`max_running` x
+CPU_TOKENS_PER_REQUEST tokens, and at least one full context), at most a quarter of the
+memory available at start. The pool's memory is taken only as its pages are first used
+(kv_pool.py): a worker holds what its requests and its prefix cache have used, up to that.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from .attention.base import make_backend
 from .batch import ForwardBatch, ForwardMode
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, batch_sizes
-from .host_memory import keep_freed_blocks
+from .host_memory import available_memory, keep_freed_blocks
 from .kernels import cpu_linear
 from .kv_pool import KVPool, ReqToTokenPool
 from .lora import Loras, parse_specs
@@ -27,6 +32,8 @@ from .models.loader import load_model, resolve_dtype
 
 log = logging.getLogger("fanout.engine")
 MiB = 2**20
+GiB = 2**30
+CPU_TOKENS_PER_REQUEST = 1024  # a running request's share of a default CPU pool (prompt and output)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,6 +48,22 @@ def use_threads(threads: int | None) -> None:
     every core it may use)."""
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def cpu_kv_tokens(per_token: int, max_running: int, max_context: int,
+                  available: int | None) -> tuple[int, str]:
+    """The module doc's CPU rule (2 GiB at most where the free memory is unknown): the
+    pool's tokens, and why."""
+    share = min(max_context, CPU_TOKENS_PER_REQUEST)
+    want = max(max_context, max_running * share)
+    cap = (available // 4 if available is not None else 2 * GiB) // per_token
+    if want <= max(cap, max_context):
+        return want, f"{max_running} running requests x {share} tokens"
+    bound = "2 GiB (the free memory is unknown)" if available is None else \
+        f"a quarter of the {available / GiB:.1f} GiB available"
+    if cap < max_context:
+        return max_context, f"one full context, more than {bound}"
+    return cap, bound
 
 
 class ModelRunner:
@@ -120,8 +143,11 @@ class ModelRunner:
     def _default_kv_tokens(self, per_token: int, fraction: float, max_prefill_tokens: int,
                            graph_bs: int) -> int:
         if self.device.type != "cuda":
-            # CPU: enough for many full-context requests, at most 2 GiB.
-            return min(2 * 2**30 // per_token, 64 * self.max_context)
+            tokens, why = cpu_kv_tokens(per_token, self.cfg.max_running, self.max_context,
+                                        available_memory())
+            log.info("KV pool on the CPU: %d tokens (%.2f GiB, taken as used): %s", tokens,
+                     tokens * per_token / GiB, why)
+            return tokens
         dev = self.device
         ps = self.cfg.page_size
         torch.cuda.synchronize(dev)
