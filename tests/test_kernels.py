@@ -414,3 +414,40 @@ def test_lora_add(dtype):
         owner.current = Loras.batch(picked, [1] * T, "cpu")
         torch.testing.assert_close(lora.add(x, out.clone()), lora_ref(x, out.clone(), lora.a, lora.b, slots),
                                    **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [5, 20])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sliding_window_on_every_path(window, page_size):
+    """A layer with a sliding window, through the torch path, the C kernels and the Triton
+    kernels (decode and extend), against the plain reference: rows longer and shorter than
+    the window, with and without a cached prefix; a window under one 16-key block (5) and
+    over one (20). The window changes the output, so a path that ignored it would fail."""
+    hq, hkv, d = 4, 2, 32
+    cases = [(ForwardMode.EXTEND, [0, 12, 7, 0, 30, 44], [9, 1, 20, 40, 3, 1]),
+             (ForwardMode.DECODE, [0, 39, 16, 4], [1, 1, 1, 1])]
+    for mode, prefix_lens, extend_lens in cases:
+        gen = torch.Generator().manual_seed(13)
+        fb = _forward_batch(mode, prefix_lens, extend_lens, page_size, torch.float32, gen, hkv=hkv, d=d)
+        pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
+        T = fb.num_tokens
+        q = torch.randn(T, hq, d, generator=gen)
+        k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+        kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, windows=(0, window))
+        backends = {"torch": TorchBackend(cpu_kernel=False, **kw), "triton": TritonBackend(num_kv_splits=4, **kw)}
+        if HAVE_CC:
+            backends["c"] = TorchBackend(**kw)
+            assert backends["c"].kernel is not None
+        ref = full = None
+        for name, be in backends.items():
+            for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
+                buf.copy_(saved)
+            out = _run(be, fb, q, k, v)  # layer 1: windowed
+            if ref is None:
+                args = (q, fb.kv.k[1], fb.kv.v[1], fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                        fb.extend_start_loc, fb.extend_lens)
+                ref = extend_attention_ref(*args, be.scale, window=window)
+                full = extend_attention_ref(*args, be.scale)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}, {mode}: {m}")
+            assert not torch.allclose(out, full, atol=1e-3)
+            assert be.window(0) == 0 and be.window(1) == window

@@ -222,7 +222,39 @@ def test_config_fields(models):
                                  "num_attention_heads": 4, "vocab_size": 100,
                                  "max_position_embeddings": 32768, "sliding_window": 4096,
                                  "eos_token_id": 2})
-    assert cfg.num_kv_heads == 4 and cfg.max_context == 4096 and cfg.eos_token_ids == [2]
+    assert cfg.num_kv_heads == 4 and cfg.eos_token_ids == [2]
+    assert cfg.max_context == 32768 and cfg.windows == (4096, 4096)  # every layer, as transformers
+
+
+def test_sliding_windows_as_transformers_applies_them():
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 4096}
+
+    def windows(arch, **kw):
+        return ModelConfig.from_dict({"architectures": [arch], **base, **kw}).windows
+
+    # Qwen2: only with use_sliding_window, from max_window_layers on, or by layer_types.
+    assert windows("Qwen2ForCausalLM", sliding_window=64) == ()
+    assert windows("Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True,
+                   max_window_layers=1) == (0, 64, 64)
+    assert windows("Qwen3ForCausalLM", sliding_window=64, use_sliding_window=True,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]) == (64, 0, 64)
+    assert windows("Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True,
+                   max_window_layers=3) == ()
+    # Mistral: every layer; Llama has no such field (transformers ignores it too).
+    assert windows("MistralForCausalLM", sliding_window=None) == ()
+    assert windows("LlamaForCausalLM", sliding_window=64) == ()
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        windows("Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True,
+                layer_types=["chunked_attention"] * 3)
+    assert windows("Phi3ForCausalLM", sliding_window=2047) == (2047,) * 3
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        windows("Phi3ForCausalLM", partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported"):
+        windows("LlamaForCausalLM", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 3 layers"):
+        windows("Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True,
+                layer_types=["full_attention"] * 2)
 
 
 def test_tokenizer_and_chat_template(models):

@@ -80,7 +80,7 @@ class ModelRunner:
         c = self.config
         self.max_context = c.max_context
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, num_heads=c.num_heads,
-                                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+                                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, windows=c.windows)
         self.graph_sizes: list[int] = []
         if cfg.cuda_graph and self.device.type == "cuda":
             if self.attn.supports_cuda_graph:

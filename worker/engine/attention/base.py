@@ -21,7 +21,7 @@ class AttentionBackend(ABC):
 
     `prepare` runs once per eager forward pass; `forward` runs per layer: `store`, then
     `attend` (a caller that writes the K/V itself, as the CPU's fused RoPE does, calls `attend`
-    alone). Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A
+    alone), each layer within its sliding window, if it has one. Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A
     backend whose decode `forward` is capturable (fixed-size device tensors, no host reads) sets `supports_cuda_graph` and gives
     the two graph hooks: `prepare_capture` (metadata of a static batch, made once before its
     capture) and `prepare_replay` (refresh it from the static buffers before each replay).
@@ -31,11 +31,19 @@ class AttentionBackend(ABC):
     # Whether forward attends to fb.shared groups; the batch builds them only then.
     uses_shared_prefixes: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 windows: tuple[int, ...] = ()):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
+        # Each layer's sliding window (ModelConfig.windows): a query at position i sees keys
+        # i - window + 1 .. i; 0 (or no entry): all of 0 .. i. Keys before the window stay in
+        # the pool (the KV and radix cache keep whole sequences: nothing is freed early).
+        self.windows = tuple(windows)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:

@@ -23,7 +23,7 @@ dtypes, and is their reference in the tests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,8 @@ class _Extend:
     start: int  # its first new token's position in [T]
     length: int  # new tokens
     pages: torch.Tensor  # [seq / page_size] its KV pages, seq padded to whole pages
-    # [n, seq] additive, causal; None for a row with no cached prefix: query i then sees keys
-    # 0..i, SDPA's own causal alignment, which skips the masked half instead of adding -inf
+    # [n, seq] additive, causal (and within the window); None for a row with no cached prefix
+    # and no window: query i then sees keys 0..i, SDPA's own causal alignment, which skips the masked half instead of adding -inf
     # to it (the padding past n is never seen)
     mask: torch.Tensor | None
 
@@ -91,6 +91,9 @@ class TorchMetadata(AttentionMetadata):
     ext: list[_Extend]
     kernel: _Kernel | None = None
     ext_kernel: _ExtendKernel | None = None
+    # The same batch's metadata for the layers with each sliding window (masks that hide the
+    # keys before it; the C kernels take the window itself).
+    windowed: dict[int, "TorchMetadata"] = field(default_factory=dict)
 
 
 def _buckets(lens: list[int], max_buckets: int = 4) -> list[list[int]]:
@@ -115,10 +118,17 @@ class TorchBackend(AttentionBackend):
         shape = (dtype, self.num_heads, self.num_kv_heads, self.head_dim)
         self.kernel = cpu_decode.load(*shape) if cpu and cpu_kernel else None
         self.ext_kernel = cpu_extend.load(*shape) if cpu and cpu_kernel else None
-        # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for them.
-        self.uses_shared_prefixes = cpu and self.kernel is None
+        # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for
+        # them, nor do sliding windows (a row's window may not hold the whole shared prefix).
+        self.uses_shared_prefixes = cpu and self.kernel is None and not any(self.windows)
 
     def prepare(self, fb: ForwardBatch) -> TorchMetadata:
+        meta = self._prepare(fb, 0)
+        meta.windowed = {w: self._prepare(fb, w) for w in set(self.windows) - {0}}
+        return meta
+
+    def _prepare(self, fb: ForwardBatch, window: int) -> TorchMetadata:
+        """The batch's metadata for layers that see the last `window` positions (0: all)."""
         dtype = fb.kv.k[0].dtype
 
         def additive(mask):  # SDPA takes a float mask without converting it on every call
@@ -149,7 +159,10 @@ class TorchBackend(AttentionBackend):
                 ids = [dec[j] for j in bucket]
                 pages = fb.req_to_token[fb.req_pool_indices[ids], :max(fb.seq_lens_cpu[i] for i in ids):ps] // ps
                 L = pages.shape[1] * ps
-                mask = torch.arange(L, device=pages.device)[None, :] < fb.seq_lens[ids][:, None]
+                keys, lens = torch.arange(L, device=pages.device)[None, :], fb.seq_lens[ids][:, None]
+                mask = keys < lens
+                if window:
+                    mask &= keys >= lens - window
                 meta.dec.append(_Decode(fb.extend_start_loc[ids], pages.reshape(-1),
                                         additive(mask[:, None, None, :]), L))
         if ext and self.ext_kernel is not None and dtype == torch.float32:
@@ -162,9 +175,13 @@ class TorchBackend(AttentionBackend):
             n, s, p = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             pages = fb.req_to_token[fb.req_pool_indices[i], :s:ps] // ps
             mask = None
-            if p:
-                q_pos = torch.arange(p, s, device=pages.device)
-                mask = additive(torch.arange(pages.shape[0] * ps, device=pages.device)[None, :] <= q_pos[:, None])
+            if p or window:
+                q_pos = torch.arange(p, s, device=pages.device)[:, None]
+                keys = torch.arange(pages.shape[0] * ps, device=pages.device)[None, :]
+                visible = keys <= q_pos
+                if window:
+                    visible &= keys > q_pos - window
+                mask = additive(visible)
             meta.ext.append(_Extend(starts[i], n, pages, mask))
         return meta
 
@@ -179,18 +196,19 @@ class TorchBackend(AttentionBackend):
         S, Hkv, D = kc.shape
         ps = fb.kv.page_size
         kp, vp = kc.view(S // ps, ps * Hkv * D), vc.view(S // ps, ps * Hkv * D)  # a row a page
-        m = fb.attn_meta
+        window = self.window(layer)
+        m = fb.attn_meta.windowed[window] if window else fb.attn_meta
         G = self.num_heads // Hkv
         if m.kernel is not None or m.ext_kernel is not None:
             q = q.contiguous()  # the kernels' layout, and so out's (empty_like keeps q's strides)
         out = torch.empty_like(q)
         if m.kernel is not None:
             cpu_decode.decode_attention(self.kernel, q, out, kc, vc, fb.req_to_token, m.kernel.rows,
-                                        m.kernel.req, m.kernel.lens, self.scale)
+                                        m.kernel.req, m.kernel.lens, self.scale, window)
         if m.ext_kernel is not None:
             e = m.ext_kernel
             cpu_extend.extend_attention(self.ext_kernel, q, out, kc, vc, fb.req_to_token, e.starts,
-                                        e.counts, e.prefix, e.req, self.scale)
+                                        e.counts, e.prefix, e.req, self.scale, window)
         for d in m.dec:
             B, L = d.mask.shape[0], d.length
             qd = q[d.rows].view(B, Hkv, G, D)

@@ -88,11 +88,12 @@ INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, co
 }
 
 /* q, out: [*, Hq, D] rows; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position;
-   rows[b]: b's row of q and out; req[b]: its row of table; lens[b]: its keys (>= 1). */
+   rows[b]: b's row of q and out; req[b]: its row of table; lens[b]: its keys (>= 1), of which
+   it sees the last `window` (all when window is 0). */
 void fanout_decode_attention(const float *q, float *out, const float *kc, const float *vc,
                              const int64_t *table, int64_t stride, const int64_t *rows,
                              const int64_t *req, const int64_t *lens, int64_t B, int64_t Hq,
-                             int64_t Hkv, int64_t D, float scale) {
+                             int64_t Hkv, int64_t D, float scale, int64_t window) {
     const int nd = (int)(D / VL);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
@@ -100,9 +101,10 @@ void fanout_decode_attention(const float *q, float *out, const float *kc, const 
         float m[Hq], l[Hq];
         const float *qb = q + rows[b] * Hq * D;
         float *ob = out + rows[b] * Hq * D;
-        const int64_t *slots = table + req[b] * stride;
+        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        const int64_t *slots = table + req[b] * stride + first;
 #define CASE(ND) \
-    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b], Hq, Hkv, scale, acc, m, l); break;
+    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, acc, m, l); break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
             CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

@@ -9,7 +9,8 @@ KB scores are D multiply-adds of one broadcast query value and one vector, no ho
 (torch's CPU flash kernel ran this at ~35 GFLOP/s on SmolLM2's 9 x 64 heads and ~240-token
 prompts), QR query heads at a time; then an online softmax over the block as vectors and the
 values accumulated in registers. A query skips the blocks past its position and masks the keys past it in the block
-that holds it. The tasks are spread over torch's OpenMP threads.
+that holds it; with a sliding window, a task starts at the block of its first token's window, and a query masks
+the keys before its own. The tasks are spread over torch's OpenMP threads.
 */
 #include <math.h>
 
@@ -33,7 +34,7 @@ int64_t fanout_extend_qn(void) { return QN; }
 /* Query heads of tokens t0..t1 (of one request, positions p + t) on kv head hk. */
 INLINE void task(const int nd, const float *q, float *out, const float *kc, const float *vc,
                  const int64_t *slots, int64_t start, int64_t p, int64_t t0, int64_t t1,
-                 int64_t hk, int64_t Hq, int64_t Hkv, float scale) {
+                 int64_t hk, int64_t Hq, int64_t Hkv, float scale, int64_t window) {
     const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D, nq = (t1 - t0) * G;
     float kt[MAX_ND * VL][KB];
     vf acc[QN][MAX_ND];
@@ -44,7 +45,9 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
         for (int c = 0; c < nd; c++) acc[i][c] = (vf){0};
     }
     const int64_t keys = p + t1; /* the last token's position + 1 */
-    for (int64_t k0 = 0; k0 < keys; k0 += KB) {
+    /* the first key of the first token's window (later tokens' windows start later) */
+    const int64_t lo = window > 0 && p + t0 - window + 1 > 0 ? (p + t0 - window + 1) / KB * KB : 0;
+    for (int64_t k0 = lo; k0 < keys; k0 += KB) {
         const int n = keys - k0 < KB ? (int)(keys - k0) : KB;
         const float *v[KB];
         for (int j = 0; j < KB; j++) {
@@ -62,11 +65,14 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
             const float *qr[QR];
             int64_t row[QR]; /* each one's query head; past nq, a copy of i0 (never stored) */
             int last[QR], lmax = 0;
+            int below[QR]; /* keys 0..below-1 of the block are before the query's window */
             for (int r = 0; r < QR; r++) {
                 const int64_t i = row[r] = i0 + r < nq ? i0 + r : i0, t = t0 + i / G, pos = p + t;
                 qr[r] = q + ((start + t) * Hq + hk * G + i % G) * D;
                 last[r] = pos - k0 < n - 1 ? (int)(pos - k0) : n - 1; /* keys 0..last seen */
                 lmax = last[r] > lmax ? last[r] : lmax;
+                const int64_t b = window > 0 ? pos - window + 1 - k0 : 0;
+                below[r] = b > KB ? KB : (int)b;
             }
             vf s[QR][NV], s1[QR][NV];
             for (int r = 0; r < QR; r++)
@@ -87,6 +93,8 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
                     s[r][u] = (s[r][u] + s1[r][u]) * scale;
                     if (last[r] < KB - 1) /* keys past the query's position, or past the last */
                         s[r][u] = pick(lanes() + u * VL > last[r], (vf){0} - INFINITY, s[r][u]);
+                    if (below[r] > 0) /* keys before its window: a block wholly before it adds nothing */
+                        s[r][u] = pick(lanes() + u * VL < below[r], (vf){0} - INFINITY, s[r][u]);
                     top = pick(s[r][u] > top, s[r][u], top);
                 }
                 const float mx = hmax(top);
@@ -125,11 +133,13 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
 
 /* q, out: [T, Hq, D]; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position.
    Request r: its new tokens are q rows starts[r] .. + counts[r], at positions prefix[r] on,
-   its slots table row req[r]. G = Hq / Hkv must be at most QN. */
+   its slots table row req[r]. G = Hq / Hkv must be at most QN. A query sees the last `window`
+   positions up to its own (all of them when window is 0). */
 void fanout_extend_attention(const float *q, float *out, const float *kc, const float *vc,
                              const int64_t *table, int64_t stride, const int64_t *starts,
                              const int64_t *counts, const int64_t *prefix, const int64_t *req,
-                             int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+                             int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                             int64_t window) {
     const int nd = (int)(D / VL);
     const int64_t G = Hq / Hkv, QB = QN / G; /* tokens per task */
     int64_t tasks = 0;
@@ -142,7 +152,7 @@ void fanout_extend_attention(const float *q, float *out, const float *kc, const 
         const int64_t t1 = t0 + QB < counts[r] ? t0 + QB : counts[r];
         const int64_t *slots = table + req[r] * stride;
 #define CASE(ND) \
-    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale); break;
+    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window); break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
             CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

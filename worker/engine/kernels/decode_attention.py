@@ -17,10 +17,11 @@ import triton.language as tl
 
 BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs >= 16 rows); extra rows masked
 BLOCK_N = 32  # keys per loop step; each split's chunk is a multiple of it
+NO_WINDOW = 1 << 30  # the window the kernels get for none: longer than any sequence
 
 
 @triton.jit
-def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log2,
+def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log2, window,
             stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             GROUP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -38,8 +39,9 @@ def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log
 
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPool + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    lo = tl.maximum(seq_len - window, 0)  # the keys before the window are not read
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if end > start:
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -70,7 +72,7 @@ def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log
 
 
 @triton.jit
-def _stage2(MidO, MidLse, SeqLens, Out,
+def _stage2(MidO, MidLse, SeqLens, Out, window,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
             D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -78,12 +80,13 @@ def _stage2(MidO, MidLse, SeqLens, Out,
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     seq_len = tl.load(SeqLens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # as in stage 1
+    lo = tl.maximum(seq_len - window, 0)  # as in stage 1
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     m = float("-inf")
     l = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for split in range(NUM_SPLITS):
-        if split * chunk < seq_len:  # stage 1 wrote this split
+        if lo + split * chunk < seq_len:  # stage 1 wrote this split
             lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + split)
             o = tl.load(MidO + b * stride_mob + h * stride_moh + split * stride_mos + offs_d,
                         mask=mask_d, other=0.0)
@@ -101,9 +104,10 @@ def _stage2(MidO, MidLse, SeqLens, Out,
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_kv_splits: int = 8,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over keys 0..seq_lens[b]-1 of request b,
-    whose KV slots are req_to_token[req_pool_indices[b], :seq_lens[b]].
+                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over keys 0..seq_lens[b]-1 of request b
+    (the last `window` of them when window > 0), whose KV slots are
+    req_to_token[req_pool_indices[b], :seq_lens[b]].
 
     q: [B, Hq, D]; k_buffer, v_buffer: [num_slots, Hkv, D] with Hq a multiple of Hkv (GQA);
     req_to_token: [R, max_ctx] int; req_pool_indices, seq_lens: [B] int. Returns [B, Hq, D]
@@ -116,13 +120,14 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    window = window if window > 0 else NO_WINDOW
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_kv_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
     grid1 = (B, Hkv * triton.cdiv(group, BLOCK_H), num_kv_splits)
     _stage1[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), window,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -130,7 +135,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_warps=4, num_stages=2,
     )
     _stage2[(B, Hq)](
-        mid_o, mid_lse, seq_lens, out,
+        mid_o, mid_lse, seq_lens, out, window,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         D=D, NUM_SPLITS=num_kv_splits, BLOCK_N=BLOCK_N, BLOCK_D=block_d, num_warps=4,
@@ -158,12 +163,14 @@ def _check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_
     return B, Hq, D
 
 
-def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale):
+def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
+                         window=0):
     """Plain torch, one request at a time, in fp32."""
     group = q.shape[1] // k_buffer.shape[1]
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
-        slots = req_to_token[req_pool_indices[b], :int(seq_lens[b])]
+        n = int(seq_lens[b])
+        slots = req_to_token[req_pool_indices[b], max(0, n - window) if window > 0 else 0:n]
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         p = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)

@@ -4,7 +4,8 @@ Each request b brings extend_lens[b] new query tokens (rows extend_start_loc[b].
 on top of a cached prefix of prefix_len = seq_lens[b] - extend_lens[b] tokens. The new
 tokens' K/V must already be in the pool (the backend runs store_kv first), so every key,
 prefix or new, is read through req_to_token[req_pool_indices[b], :seq_lens[b]]; query i of
-the request sits at position prefix_len + i and sees keys 0..prefix_len + i.
+the request sits at position prefix_len + i and sees keys 0..prefix_len + i (with a sliding
+window, the last `window` of them).
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention import NO_WINDOW
+
 
 @triton.jit
 def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, ExtLens, scale_log2,
+                   window,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
                    GROUP: tl.constexpr, D: tl.constexpr,
@@ -40,13 +44,15 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, E
     q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     q_pos = prefix_len + offs_m
-    # Keys past the block's last query position are masked for every row: skip them.
+    # Keys past the block's last query position are masked for every row: skip them; and,
+    # with a window, the keys before its first query's window.
     end = tl.minimum(seq_len, prefix_len + (mb + 1) * BLOCK_M)
+    lo = tl.maximum(prefix_len + mb * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0)
@@ -54,17 +60,21 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, E
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                     mask=mask_kv, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2
-        # Causal; key 0 is visible to every row (padding rows too), so no row is all -inf.
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # Causal, within the window: a row may see no key of a block (one before its window,
+        # or a padding row's), so its max may be -inf: then nothing is added and nothing rescaled.
+        visible = (mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+                   & (offs_n[None, :] > q_pos[:, None] - window))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                     mask=mask_kv, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m = m_new
-    out = acc / l[:, None]
+    out = acc / tl.maximum(l, 1e-30)[:, None]  # l > 0 on every real row (it sees itself)
     tl.store(Out + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -72,8 +82,10 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, E
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, extend_start_loc: torch.Tensor, extend_lens: torch.Tensor,
-                     max_extend_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, Hq, D] over prefix + new KV, read from the pool.
+                     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, Hq, D] over prefix + new KV, read from the pool
+    (each query over its last `window` positions when window > 0).
 
     k_buffer, v_buffer: [num_slots, Hkv, D], Hq a multiple of Hkv (GQA), holding the new
     tokens' K/V already. req_pool_indices, seq_lens, extend_start_loc, extend_lens: [B] int on
@@ -101,12 +113,13 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0 or max_extend_len <= 0:
         return out
+    window = window if window > 0 else NO_WINDOW
     # 64x64 tiles of 16-bit K/V fit shared memory up to D=128; fp32 or bigger heads take 32.
     block = 64 if D <= 128 and k_buffer.element_size() <= 2 else 32
     grid = (B, Hq, triton.cdiv(max_extend_len, block))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens,
-        extend_start_loc, extend_lens, scale * math.log2(math.e),
+        extend_start_loc, extend_lens, scale * math.log2(math.e), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
@@ -117,7 +130,7 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 
 def extend_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                         extend_start_loc, extend_lens, scale):
+                         extend_start_loc, extend_lens, scale, window=0):
     """Plain torch, one request at a time, in fp32."""
     group = q.shape[1] // k_buffer.shape[1]
     out = torch.empty_like(q)
@@ -128,7 +141,10 @@ def extend_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,shd->hns", q[start:start + n].float(), k) * scale
         q_pos = torch.arange(s - n, s, device=q.device)
-        visible = torch.arange(s, device=q.device)[None, :] <= q_pos[:, None]  # [n, s]
+        keys = torch.arange(s, device=q.device)[None, :]
+        visible = keys <= q_pos[:, None]  # [n, s]
+        if window > 0:
+            visible &= keys > q_pos[:, None] - window
         p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + n] = torch.einsum("hns,shd->nhd", p, v).to(q.dtype)
     return out

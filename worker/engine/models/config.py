@@ -178,7 +178,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None  # None for plain RoPE, else the HF parameters with "rope_type"
-    max_context: int  # max_position_embeddings, capped by a sliding window we do not implement
+    max_context: int  # max_position_embeddings
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (always on for Qwen2)
     o_proj_bias: bool = False
@@ -190,6 +190,10 @@ class ModelConfig:
     # M-RoPE (Qwen2-VL, Qwen2.5-VL): rotary frequencies in these sections, halves of head_dim summing to
     # head_dim // 2, take their angle from the t, h and w positions in turn (rope.py).
     mrope_section: tuple[int, ...] | None = None
+    # Each layer's sliding window (a query sees its last `window` positions, itself included;
+    # 0: every earlier one): Mistral's on every layer, Qwen2's past max_window_layers, or
+    # the config's layer_types. Empty when no layer has one.
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -242,7 +246,7 @@ class ModelConfig:
             raise ValueError(f"config.json: mrope_section {list(mrope)} does not sum to "
                              f"head_dim / 2 ({head_dim // 2})")
         max_pos = int(need("max_position_embeddings"))
-        window = _sliding_window(raw, arch)
+        windows = _windows(raw, arch, int(need("num_hidden_layers")))
         eos = (gen or {}).get("eos_token_id")
         if eos is None:
             eos = raw.get("eos_token_id")
@@ -259,8 +263,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            # Past the window HF would mask old keys; we attend to all, so stop there instead.
-            max_context=min(max_pos, window) if window else max_pos,
+            max_context=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attn_bias,
             o_proj_bias=attn_bias if traits.o_bias else False,
@@ -270,6 +273,7 @@ class ModelConfig:
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             vision=vision,
             mrope_section=mrope,
+            windows=windows,
         )
 
 
@@ -294,6 +298,10 @@ def _rope(raw: dict) -> tuple[float, dict | None, tuple[int, ...] | None]:
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError("config.json: per-layer-type rope_parameters are not supported")
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"config.json: partial_rotary_factor {partial} is not supported (RoPE over "
+                         "whole heads only)")
     mrope = params.pop("mrope_section", None)
     mrope = tuple(int(x) for x in mrope) if mrope else None
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -306,17 +314,25 @@ def _rope(raw: dict) -> tuple[float, dict | None, tuple[int, ...] | None]:
     return theta, {"rope_type": rope_type, **params}, mrope
 
 
-def _sliding_window(raw: dict, arch: str) -> int | None:
-    window = raw.get("sliding_window")
-    if not window:
-        return None
-    if arch == "MistralForCausalLM":
-        return int(window)
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
+def _windows(raw: dict, arch: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (0: full attention), () if none."""
+    window = int(raw.get("sliding_window") or 0)
     qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration",
             "Qwen2_5_VLForConditionalGeneration")
-    if arch in qwen and raw.get("use_sliding_window"):
-        return int(window) if raw.get("max_window_layers", 0) < raw["num_hidden_layers"] else None
-    return None
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer (their transformers code ignores layer_types)
+        out = (window,) * num_layers
+    elif arch in qwen and raw.get("use_sliding_window"):  # else transformers drops the window
+        types = raw.get("layer_types")
+        if types is None:
+            first = int(raw.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        if len(types) != num_layers:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"config.json: layer_types {unknown} are not supported "
+                             "(only full_attention and sliding_attention)")
+        out = tuple(window if t == "sliding_attention" else 0 for t in types)
+    else:
+        out = ()  # no window, or a field this architecture does not read (nor does transformers)
+    return out if any(out) else ()

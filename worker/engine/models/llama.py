@@ -1,4 +1,4 @@
-"""One decoder-only model for the Llama family: Llama (and SmolLM), Mistral, Qwen2, Qwen3.
+"""One decoder-only model for the Llama family: Llama (and SmolLM), Mistral, Qwen2, Qwen3, Phi-3.
 
 Tokens are flat: the new tokens of every request in the batch are concatenated into [T], and
 attention over each request's cached prefix goes through the attention backend in the

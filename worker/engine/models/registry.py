@@ -78,6 +78,8 @@ QWEN2_VL_RENAMES = (
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(CausalLM, "llama", qkv_bias=None, o_bias=True, gguf=True),
     "MistralForCausalLM": Architecture(CausalLM, "mistral", qkv_bias=False, o_bias=False),
+    # Its checkpoints hold q/k/v and gate/up fused already, in our order.
+    "Phi3ForCausalLM": Architecture(CausalLM, "phi3", qkv_bias=False, o_bias=False, fused={}),
     "Qwen2ForCausalLM": Architecture(CausalLM, "qwen2", qkv_bias=True, o_bias=False, gguf=True),
     "Qwen3ForCausalLM": Architecture(CausalLM, "qwen3", qkv_bias=None, o_bias=True, qk_norm=True,
                                      gguf=True),

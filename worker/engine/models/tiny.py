@@ -57,14 +57,18 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
                      intermediate_size: int = 128, vocab_size: int = 512,
                      max_context: int = 1024, weight_scale: float = 4.0, seed: int = 0,
                      dtype: torch.dtype = torch.float32, shards: int = 1,
-                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None) -> str:
-    """Build a random-weight model of `arch` ("llama", "qwen2" or "qwen3") in `out_dir`.
+                     tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
+                     sliding_window: int | None = None) -> str:
+    """Build a random-weight model of `arch` ("llama", "qwen2", "qwen3", "mistral" or "phi3") in
+    `out_dir`.
 
     Weights: embeddings ~ N(0, 1); every matrix ~ N(0, weight_scale**2 / fan_in), so each
     projection has gain `weight_scale` and logits have a std of about `weight_scale` (large
     enough that greedy picks are rarely near-ties); norm weights ~ U(0.5, 1.5) and biases
     ~ N(0, 0.5), so a loader that drops or swaps them is caught. `shards > 1` saves a sharded
     checkpoint with an index. `rope_scaling` is HF's dict ({"rope_type": "llama3", ...}).
+`sliding_window`: Mistral's and Phi-3's on every layer; Qwen2's and Qwen3's on every layer but
+the first.
     Tokenizer: `<|bos|>` (prepended by encode), `<|eos|>` (also the generation eos), `<|pad|>`,
     and a chat template "<|bos|><|role|>\ncontent<|eos|>\n...<|assistant|>\n".
 
@@ -76,6 +80,8 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
                     max_context=max_context, weight_scale=weight_scale, seed=seed,
                     dtype=str(dtype).removeprefix("torch."), shards=shards,
                     tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
+    if sliding_window is not None:  # only then: folders built before it keep their stamp
+        settings["sliding_window"] = sliding_window
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be at least 300 (256 bytes + merges), got {vocab_size}")
     tmp = _workdir(out_dir, settings, "build_tiny_model")
@@ -126,9 +132,11 @@ def _stamp(out_dir: str) -> dict | None:
 
 
 def _model(s: dict, tokenizer, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "phi3": Phi3Config}
     if s["arch"] not in configs:
         raise ValueError(f"arch: unknown {s['arch']!r} (use one of {', '.join(configs)})")
     kw = dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
@@ -140,8 +148,15 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
               pad_token_id=tokenizer.pad_token_id,
               # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
               rope_theta=10000.0, rope_scaling=s["rope_scaling"])
-    if s["arch"] == "qwen3":  # Qwen3Config defaults head_dim to 128, not hidden / heads
+    if s["arch"] in ("qwen3", "mistral"):  # their configs' head_dim defaults are not hidden / heads
         kw["head_dim"] = s["hidden_size"] // s["num_heads"]
+    window = s.get("sliding_window")
+    if s["arch"] in ("mistral", "phi3"):
+        kw["sliding_window"] = window
+    elif window is not None:
+        if s["arch"] not in ("qwen2", "qwen3"):
+            raise ValueError(f"sliding_window: not an option of {s['arch']!r}")
+        kw.update(sliding_window=window, use_sliding_window=True, max_window_layers=1)
     config = configs[s["arch"]](**kw)
     # HF's own init (all overwritten below) must not move the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
