@@ -148,14 +148,17 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Random-weight Llama, Qwen2 and Qwen3 models (GQA) with an offline-trained tokenizer;
-    and three with sliding windows of 16 tokens, shorter than the tests' prompts: Mistral's
-    and Phi-3's (q/k/v and gate/up fused in its checkpoint) on every layer, Qwen2's on its
-    second layer only."""
+    three with sliding windows of 16 tokens, shorter than the tests' prompts: Mistral's and
+    Phi-3's (q/k/v and gate/up fused in its checkpoint) on every layer, Qwen2's on its second
+    layer only; and two mixtures of experts (4 experts, 2 a token): Mixtral, and Qwen3-MoE
+    with a dense first layer."""
     root = tmp_path_factory.mktemp("models")
     built = {arch: build_tiny_model(str(root / arch), arch=arch) for arch in ("llama", "qwen2", "qwen3")}
     built["mistral"] = build_tiny_model(str(root / "mistral"), arch="mistral", sliding_window=16)
     built["qwen2_window"] = build_tiny_model(str(root / "qwen2_window"), arch="qwen2", sliding_window=16)
     built["phi3"] = build_tiny_model(str(root / "phi3"), arch="phi3", sliding_window=16)
+    for arch in ("mixtral", "qwen3_moe"):
+        built[arch] = build_tiny_model(str(root / arch), arch=arch)
     return built
 
 

@@ -30,7 +30,8 @@ def hf_greedy(model, ids, max_new):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3", "mixtral",
+                                  "qwen3_moe"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_teacher_forced_logits(tiny_models, arch, page_size):
     path = tiny_models[arch]
@@ -116,7 +117,8 @@ def test_prompt_logprobs_match_transformers_through_chunks_the_cache_samples_and
     eng.check()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3", "mixtral",
+                                  "qwen3_moe"])
 def test_greedy_matches_transformers(tiny_models, arch):
     path = tiny_models[arch]
     hf = hf_model(path)

@@ -311,3 +311,26 @@ def test_clear_errors(models, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no/such/model"):
         load_model("no/such/model")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_block_equals_transformers_with_uneven_routing(models, arch):
+    """One sparse MLP against transformers' on the same weights (4 experts, 2 a token), over
+    batches whose routing is uneven: 64 tokens, experts with more tokens than others; 1 token,
+    two experts with none."""
+    from worker.engine.models.moe import MoE
+    path = models(arch, arch=arch)
+    model, cfg = load_model(path, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert cfg.moe.num_experts == 4 and cfg.moe.top_k == 2
+    assert cfg.moe.layers == ((0, 1) if arch == "mixtral" else (1,))  # Qwen3-MoE: layer 0 dense
+    ours = model.layers[1].mlp
+    assert isinstance(ours, MoE) and isinstance(model.layers[0].mlp, MoE) == (arch == "mixtral")
+    for n in (64, 5, 1):
+        x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+        counts = torch.bincount(ours.route(x)[1].flatten(), minlength=4).tolist()
+        assert sum(counts) == 2 * n and len(set(counts)) > 1, counts
+        with torch.inference_mode():
+            want = hf.model.layers[1].mlp(x[None])
+            want = want[0] if isinstance(want, tuple) else want
+            torch.testing.assert_close(ours(x), want[0], atol=1e-5, rtol=1e-5)

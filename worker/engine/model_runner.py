@@ -83,7 +83,9 @@ class ModelRunner:
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, windows=c.windows)
         self.graph_sizes: list[int] = []
         if cfg.cuda_graph and self.device.type == "cuda":
-            if self.attn.supports_cuda_graph:
+            if c.moe is not None:
+                log.warning("CUDA graphs off: the mixture-of-experts layers read their routing on the host")
+            elif self.attn.supports_cuda_graph:
                 self.graph_sizes = batch_sizes(cfg.cuda_graph_max_bs, cfg.cuda_graph_batch_sizes,
                                                cfg.max_running)
             else:

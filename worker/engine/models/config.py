@@ -165,6 +165,50 @@ def vision_config(kind: str, raw: dict) -> VisionConfig | Qwen2VLVisionConfig:
     return cls.from_dict(raw)
 
 
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts model's sparse MLPs (moe.py): each token goes to the top_k of
+    num_experts experts by its router's softmax, their outputs weighed by those
+    probabilities (renormalized over the top_k when `renormalize`)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    layers: tuple[int, ...]  # the layers whose MLP is sparse; the others keep a dense one
+    # Qwen3-MoE casts the routing weights to the model's dtype before weighing the experts'
+    # outputs; Mixtral weighs them in fp32 (the same in an fp32 model).
+    weights_in_model_dtype: bool
+
+    @classmethod
+    def from_dict(cls, raw: dict, arch: str, num_layers: int) -> "MoEConfig | None":
+        try:
+            return cls._from_dict(raw, arch, num_layers)
+        except KeyError as e:
+            raise ValueError(f"config.json: missing required field {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict, arch: str, num_layers: int) -> "MoEConfig | None":
+        # transformers 5 writes num_local_experts where Qwen's own configs say num_experts
+        experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        if arch == "MixtralForCausalLM":
+            moe = cls(experts or 8, int(raw.get("num_experts_per_tok", 2)),
+                      int(raw["intermediate_size"]), True, tuple(range(num_layers)), False)
+        elif arch == "Qwen3MoeForCausalLM":
+            dense = set(raw.get("mlp_only_layers") or ())
+            step = int(raw.get("decoder_sparse_step", 1))
+            if not experts:
+                raise KeyError("num_experts")
+            moe = cls(experts, int(raw["num_experts_per_tok"]),
+                      int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)),
+                      tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0), True)
+        else:
+            return None
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok {moe.top_k} is not between 1 and "
+                             f"the {moe.num_experts} experts")
+        return moe
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -194,6 +238,7 @@ class ModelConfig:
     # 0: every earlier one): Mistral's on every layer, Qwen2's past max_window_layers, or
     # the config's layer_types. Empty when no layer has one.
     windows: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # a mixture-of-experts model's (Mixtral, Qwen3-MoE)
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -274,6 +319,7 @@ class ModelConfig:
             vision=vision,
             mrope_section=mrope,
             windows=windows,
+            moe=MoEConfig.from_dict(raw, arch, int(need("num_hidden_layers"))),
         )
 
 
@@ -317,9 +363,10 @@ def _rope(raw: dict) -> tuple[float, dict | None, tuple[int, ...] | None]:
 def _windows(raw: dict, arch: str, num_layers: int) -> tuple[int, ...]:
     """Each layer's sliding window as transformers applies it (0: full attention), () if none."""
     window = int(raw.get("sliding_window") or 0)
-    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration",
-            "Qwen2_5_VLForConditionalGeneration")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # every layer (their transformers code ignores layer_types)
+    qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        # every layer (their transformers code ignores layer_types)
         out = (window,) * num_layers
     elif arch in qwen and raw.get("use_sliding_window"):  # else transformers drops the window
         types = raw.get("layer_types")

@@ -1,4 +1,5 @@
-"""One decoder-only model for the Llama family: Llama (and SmolLM), Mistral, Qwen2, Qwen3, Phi-3.
+"""One decoder-only model for the Llama family: Llama (and SmolLM), Mistral, Qwen2, Qwen3, Phi-3,
+and with mixture-of-experts MLPs (moe.py) Mixtral and Qwen3-MoE.
 
 Tokens are flat: the new tokens of every request in the batch are concatenated into [T], and
 attention over each request's cached prefix goes through the attention backend in the
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_linear, cpu_pointwise
+from .moe import MoE
 from .rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:  # config.py imports the registry, which imports this module
@@ -139,7 +141,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and layer_idx in cfg.moe.layers
+        self.mlp = MoE(cfg.moe, cfg.hidden_size) if sparse else MLP(cfg)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple, fb):
         """(the previous layer's output, the residual stream; None at the first layer, whose

@@ -72,15 +72,18 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False) -
         if base_only and hasattr(model, "lm_head"):
             del model.lm_head
         expected = model.state_dict()  # meta tensors: names and shapes only
-        missing = sorted({src for name in expected for src in arch.checkpoint_names(name)
+        experts = cfg.moe.num_experts if cfg.moe else 0
+        missing = sorted({src for name in expected for src in arch.checkpoint_names(name, experts)
                           if src not in tensors})
         if missing:
             raise ValueError(f"checkpoint {path} is missing {len(missing)} weight(s): "
                              f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
         state = {}
         for name, meta in expected.items():
-            parts = [tensors[src]() for src in arch.checkpoint_names(name)]
+            parts = [tensors[src]() for src in arch.checkpoint_names(name, experts)]
             w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if meta.dim() == 3 and w.numel() == meta.numel():  # experts, stacked (moe.py)
+                w = w.view(meta.shape)
             if w.shape != meta.shape:
                 raise ValueError(f"checkpoint weight for {name!r} has shape {tuple(w.shape)}, "
                                  f"its config implies {tuple(meta.shape)}")

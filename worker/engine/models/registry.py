@@ -32,6 +32,9 @@ class Architecture:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     gguf: bool = False
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: LLAMA_FUSED)
+    # A mixture of experts' checkpoint layout: (the sparse MLP's module name, our stacked
+    # parameter -> each expert's weights in it, in concat order); the router is its `gate`.
+    experts: tuple[str, dict[str, tuple[str, ...]]] | None = None
     # A vision-language model's vision tower ("clip", "qwen2_vl", "qwen2_5_vl": config.py's
     # VISION_CONFIGS); its config.json has vision_config, and the text model's fields in
     # text_config.
@@ -41,10 +44,18 @@ class Architecture:
     # renames, our parameter names are the renamed checkpoint names (no "model." added).
     renames: tuple[tuple[str, str], ...] = ()
 
-    def checkpoint_names(self, name: str) -> list[str]:
+    def checkpoint_names(self, name: str, num_experts: int = 0) -> list[str]:
         """The HF checkpoint weights (after `renames`) that make up our parameter `name`, in
-        concat order."""
+        concat order (a stack of experts: expert by expert)."""
         hf = name if self.renames or name.startswith("lm_head.") else "model." + name
+        if self.experts is not None:
+            block, stacked = self.experts
+            stem, _, last = hf.rpartition(".mlp.")
+            if last == "router.weight":
+                return [f"{stem}.{block}.gate.weight"]
+            if last in stacked:
+                return [f"{stem}.{block}.experts.{e}.{part}.weight"
+                        for e in range(num_experts) for part in stacked[last]]
         for fused, parts in self.fused.items():
             if f".{fused}." in hf:
                 return [hf.replace(f".{fused}.", f".{p}.") for p in parts]
@@ -83,6 +94,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(CausalLM, "qwen2", qkv_bias=True, o_bias=False, gguf=True),
     "Qwen3ForCausalLM": Architecture(CausalLM, "qwen3", qkv_bias=None, o_bias=True, qk_norm=True,
                                      gguf=True),
+    # Mixtures of experts: every layer's MLP sparse (Mixtral), or those the config says (Qwen3-MoE).
+    "MixtralForCausalLM": Architecture(CausalLM, "mixtral", qkv_bias=False, o_bias=False,
+                                       experts=("block_sparse_moe", {"experts_gate_up": ("w1", "w3"),
+                                                                     "experts_down": ("w2",)})),
+    "Qwen3MoeForCausalLM": Architecture(CausalLM, "qwen3_moe", qkv_bias=None, o_bias=True, qk_norm=True,
+                                        experts=("mlp", {"experts_gate_up": ("gate_proj", "up_proj"),
+                                                         "experts_down": ("down_proj",)})),
     # A CLIP vision tower + projector + Llama; the language model's traits are Llama's.
     "LlavaForConditionalGeneration": Architecture(LlavaLM, "llava", qkv_bias=None, o_bias=True,
                                                   vision="clip", renames=LLAVA_RENAMES),

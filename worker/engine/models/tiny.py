@@ -59,8 +59,9 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
                      dtype: torch.dtype = torch.float32, shards: int = 1,
                      tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                      sliding_window: int | None = None) -> str:
-    """Build a random-weight model of `arch` ("llama", "qwen2", "qwen3", "mistral" or "phi3") in
-    `out_dir`.
+    """Build a random-weight model of `arch` ("llama", "qwen2", "qwen3", "mistral", "phi3", or the
+    mixtures of experts "mixtral" and "qwen3_moe": 4 experts, 2 a token, each of
+    intermediate_size; Qwen3-MoE's first layer dense) in `out_dir`.
 
     Weights: embeddings ~ N(0, 1); every matrix ~ N(0, weight_scale**2 / fan_in), so each
     projection has gain `weight_scale` and logits have a std of about `weight_scale` (large
@@ -132,11 +133,11 @@ def _stamp(out_dir: str) -> dict | None:
 
 
 def _model(s: dict, tokenizer, dtype: torch.dtype):
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "phi3": Phi3Config}
+               "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
     if s["arch"] not in configs:
         raise ValueError(f"arch: unknown {s['arch']!r} (use one of {', '.join(configs)})")
     kw = dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
@@ -148,13 +149,18 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
               pad_token_id=tokenizer.pad_token_id,
               # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
               rope_theta=10000.0, rope_scaling=s["rope_scaling"])
-    if s["arch"] in ("qwen3", "mistral"):  # their configs' head_dim defaults are not hidden / heads
+    if s["arch"] in ("qwen3", "mistral", "qwen3_moe"):  # their head_dim defaults are not hidden / heads
         kw["head_dim"] = s["hidden_size"] // s["num_heads"]
+    if s["arch"] == "mixtral":
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif s["arch"] == "qwen3_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=s["intermediate_size"],
+                  norm_topk_prob=True, mlp_only_layers=[0])
     window = s.get("sliding_window")
-    if s["arch"] in ("mistral", "phi3"):
+    if s["arch"] in ("mistral", "phi3", "mixtral"):
         kw["sliding_window"] = window
     elif window is not None:
-        if s["arch"] not in ("qwen2", "qwen3"):
+        if s["arch"] not in ("qwen2", "qwen3", "qwen3_moe"):
             raise ValueError(f"sliding_window: not an option of {s['arch']!r}")
         kw.update(sliding_window=window, use_sliding_window=True, max_window_layers=1)
     config = configs[s["arch"]](**kw)
@@ -171,7 +177,8 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * (s["weight_scale"] / p.shape[1] ** 0.5))
+                # fan_in: the last dim (an expert stack is [experts, out, in])
+                p.copy_(torch.randn(p.shape, generator=g) * (s["weight_scale"] / p.shape[-1] ** 0.5))
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
