@@ -260,24 +260,33 @@ def test_cpu_kernel_head_dims_it_cannot_take_stay_on_torch():
 
 
 def test_cpu_kernel_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
-    """No compiler, or one that fails: no kernel (the torch path runs), said once in the log;
-    with a compiler, the build is cached under its hash and not redone."""
+    """No compiler, or one that fails: no kernel (the torch path runs), said in the log with
+    what it costs; with a compiler, the build is cached under its hash and not redone; once
+    built, it is used with no compiler at all."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     caplog.set_level(logging.WARNING, "fanout.engine")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert cpu_build.build("cpu_decode") is None
-    assert "no-such-cc --version failed" in caplog.text
+    assert "the build with " + str(tmp_path / "no-such-cc") + " failed" in caplog.text
     monkeypatch.setenv("CC", shutil.which("false"))
     assert cpu_build.build("cpu_decode") is None
-    assert "the build failed" in caplog.text
+    assert "the build with" in caplog.text and "about a third of its CPU speed" in caplog.text
     assert not list((tmp_path / "fanout" / "kernels").glob("*"))  # no half-written file left
-    if not HAVE_CC:
-        return
     monkeypatch.delenv("CC")
+    cc, path = cpu_build.compiler(), os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no cc, no gcc
+    caplog.clear()
+    assert cpu_build.compiler() is None and cpu_build.build("cpu_decode") is None
+    assert "no build of it in" in caplog.text and "no C compiler to make one" in caplog.text
+    if cc is None:
+        return
+    monkeypatch.setenv("PATH", path)  # (the compiler calls the assembler and linker from PATH)
     first = cpu_build.build("cpu_decode")
     assert first and os.path.isfile(first)
     when = os.stat(first).st_mtime_ns
     assert cpu_build.build("cpu_decode") == first and os.stat(first).st_mtime_ns == when
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # the compiler gone: the build in the cache is used
+    assert cpu_build.compiler() is None and cpu_build.build("cpu_decode") == first
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
