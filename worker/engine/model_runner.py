@@ -80,7 +80,8 @@ class ModelRunner:
         c = self.config
         self.max_context = c.max_context
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, num_heads=c.num_heads,
-                                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, windows=c.windows)
+                                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, windows=c.windows,
+                                 scale=c.attention_scale())
         self.graph_sizes: list[int] = []
         if cfg.cuda_graph and self.device.type == "cuda":
             if c.moe is not None:

@@ -144,10 +144,11 @@ def _image_token_id(raw: dict) -> int:
 
 
 def _check_activations(*acts: str) -> None:
-    from .llava import ACTIVATIONS
+    from .llama import ACTIVATIONS
     for act in acts:
         if act not in ACTIVATIONS:
-            raise ValueError(f"config.json: activation {act!r} is not supported")
+            raise ValueError(f"config.json: activation {act!r} is not supported (supported: "
+                             f"{', '.join(ACTIVATIONS)})")
 
 
 # Architecture.vision (registry.py) -> the config of that vision tower.
@@ -209,6 +210,26 @@ class MoEConfig:
         return moe
 
 
+@dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """Gemma 3's traits beside the Llama family's (gemma3.py)."""
+    query_pre_attn_scalar: float  # attention scores scaled by its inverse square root, not head_dim's
+    local_rope_theta: float  # the sliding-window layers' RoPE base (the full layers' is rope_theta)
+    final_logit_softcapping: float | None  # logits -> cap * tanh(logits / cap)
+
+    @classmethod
+    def from_dict(cls, raw: dict, local_theta: float) -> "GemmaConfig":
+        for field_ in ("attn_logit_softcapping",):
+            if raw.get(field_) is not None:
+                raise ValueError(f"config.json: {field_} {raw[field_]} is not supported (attention "
+                                 "scores are not soft-capped here: Gemma 2's kind)")
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("config.json: use_bidirectional_attention is not supported (causal only)")
+        cap = raw.get("final_logit_softcapping")
+        return cls(float(raw.get("query_pre_attn_scalar") or 256), local_theta,
+                   float(cap) if cap is not None else None)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -239,6 +260,12 @@ class ModelConfig:
     # the config's layer_types. Empty when no layer has one.
     windows: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # a mixture-of-experts model's (Mixtral, Qwen3-MoE)
+    hidden_act: str = "silu"  # the MLP's gate activation (llama.py's ACTIVATIONS)
+    gemma: GemmaConfig | None = None  # Gemma 3's
+
+    def attention_scale(self) -> float:
+        """What attention scores are scaled by: head_dim ** -0.5, or Gemma's own."""
+        return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
@@ -274,9 +301,22 @@ class ModelConfig:
                 raise ValueError(f"config.json: missing required field {key!r}")
             return raw[key]
 
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        _check_activations(act)
+        gemma, rope_raw = None, raw
+        if arch == "Gemma3ForCausalLM":
+            # transformers 5: rope_parameters per layer type; the Hub's: rope_theta,
+            # rope_scaling (the full layers') and rope_local_base_freq
+            per_type = raw.get("rope_parameters") or {}
+            local = {}
+            if isinstance(per_type.get("full_attention"), dict):
+                rope_raw = {**raw, "rope_parameters": per_type["full_attention"]}
+                local = per_type.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"config.json: sliding layers' rope_type {local['rope_type']!r} is not "
+                                 "supported (only 'default')")
+            theta = local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
+            gemma = GemmaConfig.from_dict(raw, float(theta))
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -286,7 +326,7 @@ class ModelConfig:
         if traits.qkv_bias is not None:
             attn_bias = traits.qkv_bias
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        theta, scaling, mrope = _rope(raw)
+        theta, scaling, mrope = _rope(rope_raw)
         if mrope is not None and sum(mrope) * 2 != head_dim:
             raise ValueError(f"config.json: mrope_section {list(mrope)} does not sum to "
                              f"head_dim / 2 ({head_dim // 2})")
@@ -320,6 +360,8 @@ class ModelConfig:
             mrope_section=mrope,
             windows=windows,
             moe=MoEConfig.from_dict(raw, arch, int(need("num_hidden_layers"))),
+            hidden_act=act,
+            gemma=gemma,
         )
 
 
@@ -365,21 +407,24 @@ def _windows(raw: dict, arch: str, num_layers: int) -> tuple[int, ...]:
     window = int(raw.get("sliding_window") or 0)
     qwen = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    types = raw.get("layer_types")
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
-        # every layer (their transformers code ignores layer_types)
-        out = (window,) * num_layers
+        types = ["sliding_attention"] * num_layers  # every layer (their transformers code ignores layer_types)
     elif arch in qwen and raw.get("use_sliding_window"):  # else transformers drops the window
-        types = raw.get("layer_types")
         if types is None:
             first = int(raw.get("max_window_layers", num_layers))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        if len(types) != num_layers:
-            raise ValueError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
-        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"config.json: layer_types {unknown} are not supported "
-                             "(only full_attention and sliding_attention)")
-        out = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch == "Gemma3ForCausalLM":
+        if types is None:  # the Hub's configs: every sliding_window_pattern-th layer full
+            every = int(raw.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     else:
-        out = ()  # no window, or a field this architecture does not read (nor does transformers)
+        return ()  # no window, or a field this architecture does not read (nor does transformers)
+    if len(types) != num_layers:
+        raise ValueError(f"config.json: layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"config.json: layer_types {unknown} are not supported "
+                         "(only full_attention and sliding_attention)")
+    out = tuple(window if t == "sliding_attention" else 0 for t in types)
     return out if any(out) else ()

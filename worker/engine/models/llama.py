@@ -76,7 +76,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, norm: type[RMSNorm] = RMSNorm):
+        """`norm`: the q/k norms' kind (Gemma's differs)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -87,8 +88,8 @@ class Attention(nn.Module):
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.fused = False  # RoPE and the K/V store through cpu_pointwise (pack_weights)
 
@@ -111,19 +112,26 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
+# config.json's activation names (hidden_act) -> the function, as transformers' ACT2FN.
+ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: cpu_linear.Panels | None = None  # both, packed (pack())
+        self.silu = cfg.hidden_act == "silu"
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def pack(self) -> None:
         """Gate and up as one kernel call that writes silu(gate) * up: no [T, 2 x
         intermediate] product and no elementwise passes over it (a 2,048-token chunk of
         SmolLM2 with oneDNN: the MLP's first half 58 -> 48 ms once fused). Without a bias
-        only, which no supported checkpoint has."""
-        if self.gate_up_proj.bias is not None:
+        and with SiLU only (the kernel's activation)."""
+        if self.gate_up_proj.bias is not None or not self.silu:
             return
         self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
         self.gate_up_proj = None
@@ -132,7 +140,7 @@ class MLP(nn.Module):
         if self.gate_up is not None:
             return self.down_proj(cpu_linear.silu_mul(x, self.gate_up))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -17,15 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import CausalLM
+from .llama import ACTIVATIONS, CausalLM
 
 if TYPE_CHECKING:
     from ..images import Image
     from .config import ModelConfig, VisionConfig
-
-ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
-
 
 class ClipAttention(nn.Module):
     def __init__(self, v: VisionConfig):

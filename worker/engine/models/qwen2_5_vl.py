@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .llama import RMSNorm
-from .llava import ACTIVATIONS
+from .llama import ACTIVATIONS, RMSNorm
 from .qwen2_vl import Qwen2VL, VisionTower
 
 if TYPE_CHECKING:

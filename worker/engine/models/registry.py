@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .gemma3 import Gemma3LM
 from .llama import CausalLM
 from .llava import LlavaLM
 from .qwen2_5_vl import Qwen2_5_VL
@@ -101,6 +102,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(CausalLM, "qwen3_moe", qkv_bias=None, o_bias=True, qk_norm=True,
                                         experts=("mlp", {"experts_gate_up": ("gate_proj", "up_proj"),
                                                          "experts_down": ("down_proj",)})),
+    # Gemma 3's text model (its 1B; the larger ones are Gemma3ForConditionalGeneration, with vision).
+    "Gemma3ForCausalLM": Architecture(Gemma3LM, "gemma3_text", qkv_bias=None, o_bias=True, qk_norm=True),
     # A CLIP vision tower + projector + Llama; the language model's traits are Llama's.
     "LlavaForConditionalGeneration": Architecture(LlavaLM, "llava", qkv_bias=None, o_bias=True,
                                                   vision="clip", renames=LLAVA_RENAMES),

@@ -59,9 +59,11 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
                      dtype: torch.dtype = torch.float32, shards: int = 1,
                      tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
                      sliding_window: int | None = None) -> str:
-    """Build a random-weight model of `arch` ("llama", "qwen2", "qwen3", "mistral", "phi3", or the
+    """Build a random-weight model of `arch` ("llama", "qwen2", "qwen3", "mistral", "phi3", the
     mixtures of experts "mixtral" and "qwen3_moe": 4 experts, 2 a token, each of
-    intermediate_size; Qwen3-MoE's first layer dense) in `out_dir`.
+    intermediate_size; Qwen3-MoE's first layer dense; or "gemma3": its first layer sliding
+    (sliding_window, default 16) with RoPE base 10,000, the second full with base 10^6 and
+    linear scaling x8, query_pre_attn_scalar 24, logits soft-capped at 20) in `out_dir`.
 
     Weights: embeddings ~ N(0, 1); every matrix ~ N(0, weight_scale**2 / fan_in), so each
     projection has gain `weight_scale` and logits have a std of about `weight_scale` (large
@@ -133,11 +135,12 @@ def _stamp(out_dir: str) -> dict | None:
 
 
 def _model(s: dict, tokenizer, dtype: torch.dtype):
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
+               "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
+               "gemma3": Gemma3TextConfig}
     if s["arch"] not in configs:
         raise ValueError(f"arch: unknown {s['arch']!r} (use one of {', '.join(configs)})")
     kw = dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
@@ -149,7 +152,7 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
               pad_token_id=tokenizer.pad_token_id,
               # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
               rope_theta=10000.0, rope_scaling=s["rope_scaling"])
-    if s["arch"] in ("qwen3", "mistral", "qwen3_moe"):  # their head_dim defaults are not hidden / heads
+    if s["arch"] in ("qwen3", "mistral", "qwen3_moe", "gemma3"):  # their head_dim defaults are not hidden / heads
         kw["head_dim"] = s["hidden_size"] // s["num_heads"]
     if s["arch"] == "mixtral":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
@@ -157,7 +160,15 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=s["intermediate_size"],
                   norm_topk_prob=True, mlp_only_layers=[0])
     window = s.get("sliding_window")
-    if s["arch"] in ("mistral", "phi3", "mixtral"):
+    if s["arch"] == "gemma3":
+        kw.update(sliding_window=window or 16, query_pre_attn_scalar=24, final_logit_softcapping=20.0,
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(s["num_layers"])],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                      "rope_theta": 1000000.0}})
+        del kw["rope_theta"], kw["rope_scaling"]
+    elif s["arch"] in ("mistral", "phi3", "mixtral"):
         kw["sliding_window"] = window
     elif window is not None:
         if s["arch"] not in ("qwen2", "qwen3", "qwen3_moe"):

@@ -1,0 +1,108 @@
+"""Gemma 3's text model (Gemma3ForCausalLM): the Llama family's attention and gated MLP with
+Gemma's own parts, as transformers runs them:
+
+- RMSNorm with (1 + weight), computed in fp32 and cast back once;
+- four norms a layer: the attention's and the MLP's outputs are normed before their residual
+  adds, as well as their inputs;
+- embeddings scaled by sqrt(hidden_size) (rounded to the model's dtype);
+- attention scores scaled by query_pre_attn_scalar ** -0.5, q and k normed per head;
+- sliding-window layers (5 of 6 on the Hub's checkpoints, ModelConfig.windows) with their
+  own RoPE base (rope_local_base_freq), the full layers with rope_theta and its scaling;
+- the MLP's gate through GELU (tanh), and the logits soft-capped when
+  final_logit_softcapping is set.
+
+On a CPU the projections run from the C kernel's packed panels like the Llama family's; the
+norms and RoPE stay in torch (the fused kernels are Llama's: weight, not 1 + weight).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..kernels import cpu_linear
+from .llama import MLP, Attention, Linear, RMSNorm, linear
+from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+class GemmaRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = Attention(cfg, layer_idx, norm=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, h: torch.Tensor, rope: tuple, fb) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, fb))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3LM(nn.Module):
+    """Parameter names are HF's without the leading "model.", q/k/v and gate/up fused as the
+    Llama family's (loader.py)."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        g = cfg.gemma
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling,
+                                    device=device)
+        self.local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, g.local_rope_theta, None,
+                                          device=device)
+        self.local = [bool(cfg.windows and cfg.windows[i]) for i in range(cfg.num_layers)]
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_head: cpu_linear.Panels | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        return self.decode(h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype), positions, fb)
+
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        ropes = self.rope(positions, h.dtype), self.local_rope(positions, h.dtype)
+        for layer, local in zip(self.layers, self.local):
+            h = layer(h, ropes[local], fb)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings:
+            out = linear(hidden, self.embed_tokens.weight, None, self.tied_head)
+        else:
+            out = self.lm_head(hidden)
+        cap = self.cfg.gemma.final_logit_softcapping
+        if cap is not None:
+            out = torch.tanh(out / cap) * cap
+        return out.float()
+
+    def pack_weights(self, fuse_mlp: bool = True) -> None:
+        """Every projection from the C kernel's panels (llama.py's CausalLM.pack_weights; the
+        GELU MLP keeps gate and up one product)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        if self.cfg.tie_word_embeddings:
+            self.tied_head = cpu_linear.pack(self.embed_tokens.weight)
