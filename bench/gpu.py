@@ -52,7 +52,15 @@ from worker.engine.kv_pool import KVPool  # noqa: E402
 from worker.engine.models.qwen2_vl import repeat_frames  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model, build_tiny_qwen2_vl  # noqa: E402
 
-WINDOW = 37  # the kernels' sliding-window check: across their key blocks, not a multiple of them
+# The attention kernels' variants checked: full attention; a sliding window (Mistral's kind)
+# across their key blocks, not a multiple of them; and with scores soft-capped (Gemma 2's).
+VARIANTS = ((0, 0.0), (37, 0.0), (37, 5.0))
+
+
+def _variant(window: int, softcap: float) -> str:
+    return (f" window {window}" if window else "") + (f" softcap {softcap:g}" if softcap else "")
+
+
 # HBM peak by device name, bytes/s (SXM parts); --peak-tbs overrides.
 NOMINAL_PEAK = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
@@ -144,10 +152,10 @@ def kernel_checks(dev, cfg):
                 kb, vb = rand(slots, hkv, d), rand(slots, hkv, d)
                 q = rand(len(lens), hq, d)
                 seq = torch.tensor(lens, device=dev)
-                for w in (0, WINDOW):  # full attention, and a sliding window (Mistral's kind)
-                    out = decode_attention(q, kb, vb, table, rr, seq, d ** -0.5, window=w)
-                    ref = decode_attention_ref(q, kb, vb, table, rr, seq, d ** -0.5, window=w)
-                    rows.append(dict(kernel="decode_attention" + (f" window {w}" if w else ""), **tag,
+                for w, cap in VARIANTS:
+                    out = decode_attention(q, kb, vb, table, rr, seq, d ** -0.5, window=w, softcap=cap)
+                    ref = decode_attention_ref(q, kb, vb, table, rr, seq, d ** -0.5, window=w, softcap=cap)
+                    rows.append(dict(kernel="decode_attention" + _variant(w, cap), **tag,
                                      **_close(out, ref, dtype)))
 
                 prefix, ext = cfg["extend"]
@@ -157,10 +165,10 @@ def kernel_checks(dev, cfg):
                 q = rand(sum(ext), hq, d)
                 e = torch.tensor(ext, device=dev)
                 args = (q, kb, vb, table, rr, torch.tensor(seq_lens, device=dev), torch.cumsum(e, 0) - e, e)
-                for w in (0, WINDOW):
-                    out = extend_attention(*args, max(ext), d ** -0.5, window=w)
-                    ref = extend_attention_ref(*args, d ** -0.5, window=w)
-                    rows.append(dict(kernel="extend_attention" + (f" window {w}" if w else ""), **tag,
+                for w, cap in VARIANTS:
+                    out = extend_attention(*args, max(ext), d ** -0.5, window=w, softcap=cap)
+                    ref = extend_attention_ref(*args, d ** -0.5, window=w, softcap=cap)
+                    rows.append(dict(kernel="extend_attention" + _variant(w, cap), **tag,
                                      **_close(out, ref, dtype)))
 
                 loc = table[rr[2], :seq_lens[2]]

@@ -151,8 +151,8 @@ def tiny_models(tmp_path_factory):
     three with sliding windows of 16 tokens, shorter than the tests' prompts: Mistral's and
     Phi-3's (q/k/v and gate/up fused in its checkpoint) on every layer, Qwen2's on its second
     layer only; two mixtures of experts (4 experts, 2 a token): Mixtral, and Qwen3-MoE with
-    a dense first layer; and a Gemma 3 (a sliding layer and a full one, each its own RoPE,
-    soft-capped logits, tied embeddings)."""
+    a dense first layer; a Gemma 3 (a sliding layer and a full one, each its own RoPE,
+    soft-capped logits, tied embeddings) and a Gemma 2 (soft-capped attention scores too)."""
     root = tmp_path_factory.mktemp("models")
     built = {arch: build_tiny_model(str(root / arch), arch=arch) for arch in ("llama", "qwen2", "qwen3")}
     built["mistral"] = build_tiny_model(str(root / "mistral"), arch="mistral", sliding_window=16)
@@ -160,7 +160,8 @@ def tiny_models(tmp_path_factory):
     built["phi3"] = build_tiny_model(str(root / "phi3"), arch="phi3", sliding_window=16)
     for arch in ("mixtral", "qwen3_moe"):
         built[arch] = build_tiny_model(str(root / arch), arch=arch)
-    built["gemma3"] = build_tiny_model(str(root / "gemma3"), arch="gemma3", tie_word_embeddings=True)
+    for arch in ("gemma2", "gemma3"):
+        built[arch] = build_tiny_model(str(root / arch), arch=arch, tie_word_embeddings=True)
     return built
 
 

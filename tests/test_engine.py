@@ -31,7 +31,7 @@ def hf_greedy(model, ids, max_new):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3", "mixtral",
-                                  "qwen3_moe", "gemma3"])
+                                  "qwen3_moe", "gemma2", "gemma3"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_teacher_forced_logits(tiny_models, arch, page_size):
     path = tiny_models[arch]
@@ -118,7 +118,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_the_cache_samples_and
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen2_window", "phi3", "mixtral",
-                                  "qwen3_moe", "gemma3"])
+                                  "qwen3_moe", "gemma2", "gemma3"])
 def test_greedy_matches_transformers(tiny_models, arch):
     path = tiny_models[arch]
     hf = hf_model(path)

@@ -26,8 +26,10 @@ def test_gpu_script_dry_run(tmp_path):
     assert res["dry_run"] and res["correct"] and not res["errors"]
     kernels = res["kernels"]
     assert {k["kernel"] for k in kernels} == {"decode_attention", "extend_attention", "store_kv", "lora_add",
-                                              "decode_attention window 37", "extend_attention window 37"}
-    assert len(kernels) == 22 and all(k["ok"] for k in kernels)  # 20 attention rows, a LoRA row per dtype
+                                              "decode_attention window 37", "extend_attention window 37",
+                                              "decode_attention window 37 softcap 5",
+                                              "extend_attention window 37 softcap 5"}
+    assert len(kernels) == 30 and all(k["ok"] for k in kernels)  # 28 attention rows, a LoRA row per dtype
     g = res["greedy"]
     for pair in ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf"):
         assert g[pair]["exact"] == g["prompts"] == 3, pair  # fp32 on a CPU: exact
@@ -83,6 +85,6 @@ def test_a_run_killed_midway_keeps_the_sections_it_finished(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     res = json.loads((out / "gpu.json").read_text())
-    assert len(res["kernels"]) == 22 and all(k["ok"] for k in res["kernels"])  # 20 attention, 2 LoRA
+    assert len(res["kernels"]) == 30 and all(k["ok"] for k in res["kernels"])  # 28 attention, 2 LoRA
     assert "vision" not in res and not res["correct"]  # cut short: not all checks ran
-    assert "22/22 ok" in (out / "gpu.md").read_text()
+    assert "30/30 ok" in (out / "gpu.md").read_text()

@@ -460,3 +460,36 @@ def test_sliding_window_on_every_path(window, page_size):
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}, {mode}: {m}")
             assert not torch.allclose(out, full, atol=1e-3)
             assert be.window(0) == 0 and be.window(1) == window
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_soft_capped_scores_on_every_path(window):
+    """Gemma 2's soft-capped attention scores (cap * tanh(s / cap)), with and without a sliding
+    window, through the torch path, the C kernels and the Triton kernels (decode and extend),
+    against the plain reference; the cap changes the output, so a path that ignored it fails."""
+    hq, hkv, d, cap = 4, 2, 32, 2.0
+    cases = [(ForwardMode.EXTEND, [0, 12, 7, 0, 30, 44], [9, 1, 20, 40, 3, 1]),
+             (ForwardMode.DECODE, [0, 39, 16, 4], [1, 1, 1, 1])]
+    for mode, prefix_lens, extend_lens in cases:
+        gen = torch.Generator().manual_seed(17)
+        fb = _forward_batch(mode, prefix_lens, extend_lens, 16, torch.float32, gen, hkv=hkv, d=d)
+        pools = [buf.clone() for buf in fb.kv.k + fb.kv.v]
+        T = fb.num_tokens
+        q = torch.randn(T, hq, d, generator=gen) * 3  # scores well past the cap
+        k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+        kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=d, windows=(window, window), softcap=cap)
+        backends = {"torch": TorchBackend(cpu_kernel=False, **kw), "triton": TritonBackend(num_kv_splits=4, **kw)}
+        if HAVE_CC:
+            backends["c"] = TorchBackend(**kw)
+        ref = plain = None
+        for name, be in backends.items():
+            for buf, saved in zip(fb.kv.k + fb.kv.v, pools):
+                buf.copy_(saved)
+            out = _run(be, fb, q, k, v)
+            if ref is None:
+                args = (q, fb.kv.k[1], fb.kv.v[1], fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                        fb.extend_start_loc, fb.extend_lens, be.scale)
+                ref = extend_attention_ref(*args, window=window, softcap=cap)
+                plain = extend_attention_ref(*args, window=window)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}, {mode}: {m}")
+            assert not torch.allclose(out, plain, atol=1e-3)

@@ -81,7 +81,7 @@ class ModelRunner:
         self.max_context = c.max_context
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, num_heads=c.num_heads,
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, windows=c.windows,
-                                 scale=c.attention_scale())
+                                 scale=c.attention_scale(), softcap=c.attention_softcap())
         self.graph_sizes: list[int] = []
         if cfg.cuda_graph and self.device.type == "cuda":
             if c.moe is not None:

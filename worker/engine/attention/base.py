@@ -32,7 +32,7 @@ class AttentionBackend(ABC):
     uses_shared_prefixes: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 windows: tuple[int, ...] = ()):
+                 windows: tuple[int, ...] = (), softcap: float = 0.0):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -41,6 +41,8 @@ class AttentionBackend(ABC):
         # i - window + 1 .. i; 0 (or no entry): all of 0 .. i. Keys before the window stay in
         # the pool (the KV and radix cache keep whole sequences: nothing is freed early).
         self.windows = tuple(windows)
+        # > 0: every score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
+        self.softcap = float(softcap or 0.0)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

@@ -119,8 +119,9 @@ class TorchBackend(AttentionBackend):
         self.kernel = cpu_decode.load(*shape) if cpu and cpu_kernel else None
         self.ext_kernel = cpu_extend.load(*shape) if cpu and cpu_kernel else None
         # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for
-        # them, nor do sliding windows (a row's window may not hold the whole shared prefix).
-        self.uses_shared_prefixes = cpu and self.kernel is None and not any(self.windows)
+        # them, nor do sliding windows (a row's window may not hold the whole shared prefix)
+        # or soft-capped scores (the flash kernel cannot cap them).
+        self.uses_shared_prefixes = cpu and self.kernel is None and not any(self.windows) and not self.softcap
 
     def prepare(self, fb: ForwardBatch) -> TorchMetadata:
         meta = self._prepare(fb, 0)
@@ -175,7 +176,7 @@ class TorchBackend(AttentionBackend):
             n, s, p = fb.extend_lens_cpu[i], fb.seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             pages = fb.req_to_token[fb.req_pool_indices[i], :s:ps] // ps
             mask = None
-            if p or window:
+            if p or window or self.softcap:
                 q_pos = torch.arange(p, s, device=pages.device)[:, None]
                 keys = torch.arange(pages.shape[0] * ps, device=pages.device)[None, :]
                 visible = keys <= q_pos
@@ -204,17 +205,17 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         if m.kernel is not None:
             cpu_decode.decode_attention(self.kernel, q, out, kc, vc, fb.req_to_token, m.kernel.rows,
-                                        m.kernel.req, m.kernel.lens, self.scale, window)
+                                        m.kernel.req, m.kernel.lens, self.scale, window, self.softcap)
         if m.ext_kernel is not None:
             e = m.ext_kernel
             cpu_extend.extend_attention(self.ext_kernel, q, out, kc, vc, fb.req_to_token, e.starts,
-                                        e.counts, e.prefix, e.req, self.scale, window)
+                                        e.counts, e.prefix, e.req, self.scale, window, self.softcap)
         for d in m.dec:
             B, L = d.mask.shape[0], d.length
             qd = q[d.rows].view(B, Hkv, G, D)
             kd = kp.index_select(0, d.pages).view(B, L, Hkv, D).transpose(1, 2).to(q.dtype)
             vd = vp.index_select(0, d.pages).view(B, L, Hkv, D).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
+            o = self._sdpa(qd, kd, vd, d.mask)
             out[d.rows] = o.reshape(B, Hkv * G, D)
         for g in m.shared:
             out[g.rows] = self._shared(q[g.rows], kp, vp, g, Hkv, G, D)
@@ -223,10 +224,24 @@ class TorchBackend(AttentionBackend):
             qe = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             ke = kp.index_select(0, e.pages).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
             ve = vp.index_select(0, e.pages).view(s, Hkv, D).transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None,
-                                               scale=self.scale, enable_gqa=G > 1)
+            if self.softcap:  # SDPA cannot cap the scores: plain attention (the mask is explicit then)
+                o = self._sdpa(qe.reshape(1, Hkv, G * n, D), ke, ve, e.mask.repeat(G, 1)[None, None])
+                o = o.reshape(1, Hkv * G, n, D)
+            else:
+                o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=e.mask, is_causal=e.mask is None,
+                                                   scale=self.scale, enable_gqa=G > 1)
             out[start:start + n] = o[0].transpose(0, 1)
         return out
+
+    def _sdpa(self, q, k, v, mask):
+        """q [B, Hkv, G, D] (a kv head's queries together) against k, v [B, Hkv, L, D] under an
+        additive mask broadcast to [B, Hkv, G, L]: SDPA, or the same in plain ops with the
+        scores soft-capped."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        s = (q @ k.transpose(-1, -2)).float() * self.scale
+        s = self.softcap * torch.tanh(s / self.softcap) + mask
+        return (torch.softmax(s, dim=-1).to(v.dtype) @ v)
 
     def _shared(self, q, kp, vp, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
         """kp, vp: the layer's pools, a row a page."""

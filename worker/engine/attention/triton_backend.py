@@ -27,8 +27,8 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 windows: tuple[int, ...] = (), num_kv_splits: int = 8):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, windows)
+                 windows: tuple[int, ...] = (), softcap: float = 0.0, num_kv_splits: int = 8):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
         self.num_kv_splits = num_kv_splits
 
     def prepare(self, fb: ForwardBatch) -> TritonMetadata:
@@ -47,7 +47,8 @@ class TritonBackend(AttentionBackend):
         kc, vc = fb.kv.k[layer], fb.kv.v[layer]
         if fb.mode == ForwardMode.DECODE:
             return decode_attention(q, kc, vc, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                    self.scale, self.num_kv_splits, window=self.window(layer))
+                                    self.scale, self.num_kv_splits, window=self.window(layer),
+                                    softcap=self.softcap)
         return extend_attention(q, kc, vc, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                 fb.extend_start_loc, fb.extend_lens, fb.attn_meta.max_extend_len,
-                                self.scale, window=self.window(layer))
+                                self.scale, window=self.window(layer), softcap=self.softcap)

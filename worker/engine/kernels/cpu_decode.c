@@ -21,7 +21,7 @@ at most MAX_ND vectors; the loops over D unroll for each such D (attend's nd).
 /* One row: qb [Hq, D] -> ob [Hq, D] over len keys at slots. acc, m, l: Hq heads' scratch. */
 INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, const float *vc,
                    const int64_t *slots, int64_t len, int64_t Hq, int64_t Hkv, float scale,
-                   vf *acc, float *m, float *l) {
+                   float softcap, vf *acc, float *m, float *l) {
     const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D;
     for (int64_t h = 0; h < Hq; h++) {
         m[h] = -INFINITY;
@@ -58,6 +58,7 @@ INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, co
                     vf t = q[0] * load(k[j] + off);
                     for (int c = 1; c < nd; c++) t += q[c] * load(k[j] + off + c * VL);
                     s[j] = hsum(t) * scale;
+                    if (softcap > 0.0f) s[j] = softcap * tanhf(s[j] / softcap); /* Gemma 2's */
                 } else {
                     s[j] = -INFINITY;
                 }
@@ -89,11 +90,12 @@ INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, co
 
 /* q, out: [*, Hq, D] rows; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position;
    rows[b]: b's row of q and out; req[b]: its row of table; lens[b]: its keys (>= 1), of which
-   it sees the last `window` (all when window is 0). */
+   it sees the last `window` (all when window is 0). softcap > 0: each score s becomes
+   softcap * tanh(s / softcap) before the softmax. */
 void fanout_decode_attention(const float *q, float *out, const float *kc, const float *vc,
                              const int64_t *table, int64_t stride, const int64_t *rows,
                              const int64_t *req, const int64_t *lens, int64_t B, int64_t Hq,
-                             int64_t Hkv, int64_t D, float scale, int64_t window) {
+                             int64_t Hkv, int64_t D, float scale, int64_t window, float softcap) {
     const int nd = (int)(D / VL);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++) {
@@ -104,7 +106,7 @@ void fanout_decode_attention(const float *q, float *out, const float *kc, const 
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
         const int64_t *slots = table + req[b] * stride + first;
 #define CASE(ND) \
-    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, acc, m, l); break;
+    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, softcap, acc, m, l); break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
             CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

@@ -29,17 +29,20 @@ def load(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
     if not cpu_build.head_dim_fits(lib, head_dim):
         return None
     return cpu_build.bind(lib, "fanout_decode_attention",
-                          [P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, ctypes.c_float, I64])
+                          [P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, ctypes.c_float, I64,
+                           ctypes.c_float])
 
 
 def decode_attention(fn, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                      table: torch.Tensor, rows: torch.Tensor, req: torch.Tensor,
-                     lens: torch.Tensor, scale: float, window: int = 0) -> None:
+                     lens: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> None:
     """out[rows] = attention of q[rows] over each row's first lens keys (slots table[req]),
-    the last `window` of them when window > 0.
-    q, out [T, Hq, D] and kc, vc [slots, Hkv, D] contiguous fp32; table, rows, req, lens
-    contiguous int64; every slot in range (the caller's invariant: the C code trusts it)."""
+    the last `window` of them when window > 0, its scores soft-capped when softcap > 0
+    (softcap * tanh(s / softcap)). q, out [T, Hq, D] and kc, vc [slots, Hkv, D] contiguous
+    fp32; table, rows, req, lens contiguous int64; every slot in range (the caller's
+    invariant: the C code trusts it)."""
     _, Hq, D = q.shape
     fn(q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), table.data_ptr(),
        table.stride(0), rows.data_ptr(), req.data_ptr(), lens.data_ptr(), rows.shape[0], Hq,
-       kc.shape[1], D, scale, window)
+       kc.shape[1], D, scale, window, softcap)

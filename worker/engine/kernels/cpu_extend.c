@@ -34,7 +34,7 @@ int64_t fanout_extend_qn(void) { return QN; }
 /* Query heads of tokens t0..t1 (of one request, positions p + t) on kv head hk. */
 INLINE void task(const int nd, const float *q, float *out, const float *kc, const float *vc,
                  const int64_t *slots, int64_t start, int64_t p, int64_t t0, int64_t t1,
-                 int64_t hk, int64_t Hq, int64_t Hkv, float scale, int64_t window) {
+                 int64_t hk, int64_t Hq, int64_t Hkv, float scale, int64_t window, float softcap) {
     const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D, nq = (t1 - t0) * G;
     float kt[MAX_ND * VL][KB];
     vf acc[QN][MAX_ND];
@@ -89,8 +89,16 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
             for (int r = 0; r < QR; r++) {
                 const int64_t i = row[r];
                 vf top = (vf){0} + m[i];
+                if (softcap > 0.0f) /* Gemma 2's: softcap * tanh(score / softcap), lane by lane */
+                    for (int u = 0; u < NV; u++) {
+                        float t[VL];
+                        store(t, (s[r][u] + s1[r][u]) * scale);
+                        for (int x = 0; x < VL; x++) t[x] = softcap * tanhf(t[x] / softcap);
+                        s[r][u] = load(t);
+                        s1[r][u] = (vf){0};
+                    }
                 for (int u = 0; u < NV; u++) {
-                    s[r][u] = (s[r][u] + s1[r][u]) * scale;
+                    s[r][u] = softcap > 0.0f ? s[r][u] : (s[r][u] + s1[r][u]) * scale;
                     if (last[r] < KB - 1) /* keys past the query's position, or past the last */
                         s[r][u] = pick(lanes() + u * VL > last[r], (vf){0} - INFINITY, s[r][u]);
                     if (below[r] > 0) /* keys before its window: a block wholly before it adds nothing */
@@ -134,12 +142,13 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
 /* q, out: [T, Hq, D]; kc, vc: [slots, Hkv, D]; table: [*, stride] slot of each position.
    Request r: its new tokens are q rows starts[r] .. + counts[r], at positions prefix[r] on,
    its slots table row req[r]. G = Hq / Hkv must be at most QN. A query sees the last `window`
-   positions up to its own (all of them when window is 0). */
+   positions up to its own (all of them when window is 0); softcap > 0: each score s becomes
+   softcap * tanh(s / softcap) before the softmax. */
 void fanout_extend_attention(const float *q, float *out, const float *kc, const float *vc,
                              const int64_t *table, int64_t stride, const int64_t *starts,
                              const int64_t *counts, const int64_t *prefix, const int64_t *req,
                              int64_t R, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                             int64_t window) {
+                             int64_t window, float softcap) {
     const int nd = (int)(D / VL);
     const int64_t G = Hq / Hkv, QB = QN / G; /* tokens per task */
     int64_t tasks = 0;
@@ -152,7 +161,8 @@ void fanout_extend_attention(const float *q, float *out, const float *kc, const 
         const int64_t t1 = t0 + QB < counts[r] ? t0 + QB : counts[r];
         const int64_t *slots = table + req[r] * stride;
 #define CASE(ND) \
-    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window); break;
+    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window, softcap); \
+        break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
             CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

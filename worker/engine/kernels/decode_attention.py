@@ -18,6 +18,15 @@ import triton.language as tl
 BLOCK_H = 16  # query heads per stage-1 program (tl.dot needs >= 16 rows); extra rows masked
 BLOCK_N = 32  # keys per loop step; each split's chunk is a multiple of it
 NO_WINDOW = 1 << 30  # the window the kernels get for none: longer than any sequence
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def softcap_log2(s, SOFTCAP: tl.constexpr):
+    """Scores in base 2 (natural ones times LOG2E) -> soft-capped as SOFTCAP * tanh(natural /
+    SOFTCAP) (Gemma 2's), still in base 2; tanh from exp, which the interpreter has too."""
+    x = s / (LOG2E * SOFTCAP)
+    return SOFTCAP * LOG2E * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
 @triton.jit
@@ -25,7 +34,7 @@ def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log
             stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             GROUP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)  # a block of query heads that share one kv head
     split = tl.program_id(2)
@@ -57,6 +66,8 @@ def _stage1(Q, KBuf, VBuf, ReqToToken, ReqPool, SeqLens, MidO, MidLse, scale_log
             k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                         mask=mask_kv, other=0.0)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2
+            if SOFTCAP > 0:
+                s = softcap_log2(s, SOFTCAP)
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
@@ -104,10 +115,10 @@ def _stage2(MidO, MidLse, SeqLens, Out, window,
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_kv_splits: int = 8,
-                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b over keys 0..seq_lens[b]-1 of request b
     (the last `window` of them when window > 0), whose KV slots are
-    req_to_token[req_pool_indices[b], :seq_lens[b]].
+    req_to_token[req_pool_indices[b], :seq_lens[b]]; the scores soft-capped when softcap > 0.
 
     q: [B, Hq, D]; k_buffer, v_buffer: [num_slots, Hkv, D] with Hq a multiple of Hkv (GQA);
     req_to_token: [R, max_ctx] int; req_pool_indices, seq_lens: [B] int. Returns [B, Hq, D]
@@ -132,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, D=D, NUM_SPLITS=num_kv_splits, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        SOFTCAP=float(softcap), num_warps=4, num_stages=2,
     )
     _stage2[(B, Hq)](
         mid_o, mid_lse, seq_lens, out, window,
@@ -164,7 +175,7 @@ def _check(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_
 
 
 def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale,
-                         window=0):
+                         window=0, softcap=0.0):
     """Plain torch, one request at a time, in fp32."""
     group = q.shape[1] // k_buffer.shape[1]
     out = torch.empty_like(q)
@@ -173,6 +184,9 @@ def decode_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
         slots = req_to_token[req_pool_indices[b], max(0, n - window) if window > 0 else 0:n]
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,shd->hs", q[b].float(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        p = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hs,shd->hd", p, v).to(q.dtype)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import NO_WINDOW
+from .decode_attention import NO_WINDOW, softcap_log2
 
 
 @triton.jit
@@ -24,7 +24,8 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, E
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_rt,
                    GROUP: tl.constexpr, D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)  # block of BLOCK_M new tokens of request b
@@ -60,6 +61,8 @@ def _extend_kernel(Q, KBuf, VBuf, Out, ReqToToken, ReqPool, SeqLens, StartLoc, E
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                     mask=mask_kv, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2
+        if SOFTCAP > 0:
+            s = softcap_log2(s, SOFTCAP)
         # Causal, within the window: a row may see no key of a block (one before its window,
         # or a padding row's), so its max may be -inf: then nothing is added and nothing rescaled.
         visible = (mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -83,9 +86,10 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, extend_start_loc: torch.Tensor, extend_lens: torch.Tensor,
                      max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of the new tokens q [T, Hq, D] over prefix + new KV, read from the pool
-    (each query over its last `window` positions when window > 0).
+    (each query over its last `window` positions when window > 0; the scores soft-capped when
+    softcap > 0).
 
     k_buffer, v_buffer: [num_slots, Hkv, D], Hq a multiple of Hkv (GQA), holding the new
     tokens' K/V already. req_pool_indices, seq_lens, extend_start_loc, extend_lens: [B] int on
@@ -124,13 +128,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=Hq // Hkv, D=D, BLOCK_M=block, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(D),
+        SOFTCAP=float(softcap),
         num_warps=4 if D <= 64 else 8, num_stages=2,
     )
     return out
 
 
 def extend_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-                         extend_start_loc, extend_lens, scale, window=0):
+                         extend_start_loc, extend_lens, scale, window=0, softcap=0.0):
     """Plain torch, one request at a time, in fp32."""
     group = q.shape[1] // k_buffer.shape[1]
     out = torch.empty_like(q)
@@ -140,6 +145,8 @@ def extend_attention_ref(q, k_buffer, v_buffer, req_to_token, req_pool_indices, 
         k = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [s, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,shd->hns", q[start:start + n].float(), k) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(s - n, s, device=q.device)
         keys = torch.arange(s, device=q.device)[None, :]
         visible = keys <= q_pos[:, None]  # [n, s]

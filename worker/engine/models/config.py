@@ -212,22 +212,19 @@ class MoEConfig:
 
 @dataclass(frozen=True, slots=True)
 class GemmaConfig:
-    """Gemma 3's traits beside the Llama family's (gemma3.py)."""
+    """Gemma 2's and 3's traits beside the Llama family's (gemma.py)."""
     query_pre_attn_scalar: float  # attention scores scaled by its inverse square root, not head_dim's
     local_rope_theta: float  # the sliding-window layers' RoPE base (the full layers' is rope_theta)
     final_logit_softcapping: float | None  # logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None  # attention scores -> the same (Gemma 2's)
 
     @classmethod
     def from_dict(cls, raw: dict, local_theta: float) -> "GemmaConfig":
-        for field_ in ("attn_logit_softcapping",):
-            if raw.get(field_) is not None:
-                raise ValueError(f"config.json: {field_} {raw[field_]} is not supported (attention "
-                                 "scores are not soft-capped here: Gemma 2's kind)")
         if raw.get("use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention is not supported (causal only)")
-        cap = raw.get("final_logit_softcapping")
+        caps = [raw.get(k) for k in ("final_logit_softcapping", "attn_logit_softcapping")]
         return cls(float(raw.get("query_pre_attn_scalar") or 256), local_theta,
-                   float(cap) if cap is not None else None)
+                   *(float(c) if c is not None else None for c in caps))
 
 
 @dataclass(slots=True)
@@ -267,6 +264,10 @@ class ModelConfig:
         """What attention scores are scaled by: head_dim ** -0.5, or Gemma's own."""
         return (self.gemma.query_pre_attn_scalar if self.gemma else self.head_dim) ** -0.5
 
+    def attention_softcap(self) -> float:
+        """> 0: attention scores soft-capped at it (Gemma 2); 0: not."""
+        return (self.gemma and self.gemma.attn_logit_softcapping) or 0.0
+
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
         cfg_file = os.path.join(path, "config.json")
@@ -304,7 +305,9 @@ class ModelConfig:
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         _check_activations(act)
         gemma, rope_raw = None, raw
-        if arch == "Gemma3ForCausalLM":
+        if arch == "Gemma2ForCausalLM":  # one RoPE for every layer
+            gemma = GemmaConfig.from_dict(raw, _rope(raw)[0])
+        elif arch == "Gemma3ForCausalLM":
             # transformers 5: rope_parameters per layer type; the Hub's: rope_theta,
             # rope_scaling (the full layers') and rope_local_base_freq
             per_type = raw.get("rope_parameters") or {}
@@ -414,9 +417,9 @@ def _windows(raw: dict, arch: str, num_layers: int) -> tuple[int, ...]:
         if types is None:
             first = int(raw.get("max_window_layers", num_layers))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    elif arch == "Gemma3ForCausalLM":
+    elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         if types is None:  # the Hub's configs: every sliding_window_pattern-th layer full
-            every = int(raw.get("sliding_window_pattern", 6))
+            every = int(raw.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6))
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     else:
         return ()  # no window, or a field this architecture does not read (nor does transformers)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .gemma3 import Gemma3LM
+from .gemma import GemmaLM
 from .llama import CausalLM
 from .llava import LlavaLM
 from .qwen2_5_vl import Qwen2_5_VL
@@ -102,8 +102,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(CausalLM, "qwen3_moe", qkv_bias=None, o_bias=True, qk_norm=True,
                                         experts=("mlp", {"experts_gate_up": ("gate_proj", "up_proj"),
                                                          "experts_down": ("down_proj",)})),
-    # Gemma 3's text model (its 1B; the larger ones are Gemma3ForConditionalGeneration, with vision).
-    "Gemma3ForCausalLM": Architecture(Gemma3LM, "gemma3_text", qkv_bias=None, o_bias=True, qk_norm=True),
+    # Gemma 2, and Gemma 3's text model (its 1B; the larger ones are
+    # Gemma3ForConditionalGeneration, with vision).
+    "Gemma2ForCausalLM": Architecture(GemmaLM, "gemma2", qkv_bias=None, o_bias=True),
+    "Gemma3ForCausalLM": Architecture(GemmaLM, "gemma3_text", qkv_bias=None, o_bias=True, qk_norm=True),
     # A CLIP vision tower + projector + Llama; the language model's traits are Llama's.
     "LlavaForConditionalGeneration": Architecture(LlavaLM, "llava", qkv_bias=None, o_bias=True,
                                                   vision="clip", renames=LLAVA_RENAMES),

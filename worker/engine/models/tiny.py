@@ -63,7 +63,8 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
     mixtures of experts "mixtral" and "qwen3_moe": 4 experts, 2 a token, each of
     intermediate_size; Qwen3-MoE's first layer dense; or "gemma3": its first layer sliding
     (sliding_window, default 16) with RoPE base 10,000, the second full with base 10^6 and
-    linear scaling x8, query_pre_attn_scalar 24, logits soft-capped at 20) in `out_dir`.
+    linear scaling x8, query_pre_attn_scalar 24, logits soft-capped at 20; or "gemma2": the
+    same but one RoPE, no q/k norms, attention scores soft-capped at 5) in `out_dir`.
 
     Weights: embeddings ~ N(0, 1); every matrix ~ N(0, weight_scale**2 / fan_in), so each
     projection has gain `weight_scale` and logits have a std of about `weight_scale` (large
@@ -135,12 +136,12 @@ def _stamp(out_dir: str) -> dict | None:
 
 
 def _model(s: dict, tokenizer, dtype: torch.dtype):
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
                               MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
-               "gemma3": Gemma3TextConfig}
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     if s["arch"] not in configs:
         raise ValueError(f"arch: unknown {s['arch']!r} (use one of {', '.join(configs)})")
     kw = dict(hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
@@ -152,7 +153,7 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
               pad_token_id=tokenizer.pad_token_id,
               # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
               rope_theta=10000.0, rope_scaling=s["rope_scaling"])
-    if s["arch"] in ("qwen3", "mistral", "qwen3_moe", "gemma3"):  # their head_dim defaults are not hidden / heads
+    if s["arch"] in ("qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3"):  # head_dim defaults not hidden / heads
         kw["head_dim"] = s["hidden_size"] // s["num_heads"]
     if s["arch"] == "mixtral":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
@@ -168,6 +169,9 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                       "rope_theta": 1000000.0}})
         del kw["rope_theta"], kw["rope_scaling"]
+    elif s["arch"] == "gemma2":
+        kw.update(sliding_window=window or 16, query_pre_attn_scalar=24, final_logit_softcapping=20.0,
+                  attn_logit_softcapping=5.0)
     elif s["arch"] in ("mistral", "phi3", "mixtral"):
         kw["sliding_window"] = window
     elif window is not None:

@@ -1,15 +1,17 @@
-"""Gemma 3's text model (Gemma3ForCausalLM): the Llama family's attention and gated MLP with
-Gemma's own parts, as transformers runs them:
+"""Gemma 2 and Gemma 3's text model (Gemma2ForCausalLM, Gemma3ForCausalLM): the Llama family's
+attention and gated MLP with Gemma's own parts, as transformers runs them:
 
 - RMSNorm with (1 + weight), computed in fp32 and cast back once;
 - four norms a layer: the attention's and the MLP's outputs are normed before their residual
   adds, as well as their inputs;
 - embeddings scaled by sqrt(hidden_size) (rounded to the model's dtype);
-- attention scores scaled by query_pre_attn_scalar ** -0.5, q and k normed per head;
-- sliding-window layers (5 of 6 on the Hub's checkpoints, ModelConfig.windows) with their
-  own RoPE base (rope_local_base_freq), the full layers with rope_theta and its scaling;
+- attention scores scaled by query_pre_attn_scalar ** -0.5; Gemma 3 norms q and k per head,
+  Gemma 2 soft-caps the scores (attn_logit_softcapping: the attention backend's `softcap`);
+- sliding-window layers (ModelConfig.windows: every other layer on Gemma 2, 5 of 6 on
+  Gemma 3's checkpoints); Gemma 3's have their own RoPE base (rope_local_base_freq), its full
+  layers rope_theta and its scaling;
 - the MLP's gate through GELU (tanh), and the logits soft-capped when
-  final_logit_softcapping is set.
+  final_logit_softcapping is set (Gemma 2's 30).
 
 On a CPU the projections run from the C kernel's packed panels like the Llama family's; the
 norms and RoPE stay in torch (the fused kernels are Llama's: weight, not 1 + weight).
@@ -42,7 +44,7 @@ class GemmaRMSNorm(RMSNorm):
         return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Layer(nn.Module):
+class GemmaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -58,7 +60,7 @@ class Gemma3Layer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3LM(nn.Module):
+class GemmaLM(nn.Module):
     """Parameter names are HF's without the leading "model.", q/k/v and gate/up fused as the
     Llama family's (loader.py)."""
 
@@ -72,7 +74,7 @@ class Gemma3LM(nn.Module):
                                           device=device)
         self.local = [bool(cfg.windows and cfg.windows[i]) for i in range(cfg.num_layers)]
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3Layer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(GemmaLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
