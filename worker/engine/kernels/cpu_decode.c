@@ -19,7 +19,7 @@ at most MAX_ND vectors; the loops over D unroll for each such D (attend's nd).
 #define KB 16 /* keys per block */
 
 /* One row: qb [Hq, D] -> ob [Hq, D] over len keys at slots. acc, m, l: Hq heads' scratch. */
-INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, const float *vc,
+INLINE void attend(const int nd, const int capped, const float *qb, float *ob, const float *kc, const float *vc,
                    const int64_t *slots, int64_t len, int64_t Hq, int64_t Hkv, float scale,
                    float softcap, vf *acc, float *m, float *l) {
     const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D;
@@ -58,7 +58,7 @@ INLINE void attend(const int nd, const float *qb, float *ob, const float *kc, co
                     vf t = q[0] * load(k[j] + off);
                     for (int c = 1; c < nd; c++) t += q[c] * load(k[j] + off + c * VL);
                     s[j] = hsum(t) * scale;
-                    if (softcap > 0.0f) s[j] = softcap * tanhf(s[j] / softcap); /* Gemma 2's */
+                    if (capped) s[j] = softcap * tanhf(s[j] / softcap); /* Gemma 2's */
                 } else {
                     s[j] = -INFINITY;
                 }
@@ -106,7 +106,12 @@ void fanout_decode_attention(const float *q, float *out, const float *kc, const 
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
         const int64_t *slots = table + req[b] * stride + first;
 #define CASE(ND) \
-    case ND: attend(ND, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, softcap, acc, m, l); break;
+    case ND: \
+        if (softcap > 0.0f) /* two builds of the loop: no tanh call, nor a test, in the uncapped one */ \
+            attend(ND, 1, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, softcap, acc, m, l); \
+        else \
+            attend(ND, 0, qb, ob, kc, vc, slots, lens[b] - first, Hq, Hkv, scale, softcap, acc, m, l); \
+        break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
             CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)

@@ -32,7 +32,7 @@ the keys before its own. The tasks are spread over torch's OpenMP threads.
 int64_t fanout_extend_qn(void) { return QN; }
 
 /* Query heads of tokens t0..t1 (of one request, positions p + t) on kv head hk. */
-INLINE void task(const int nd, const float *q, float *out, const float *kc, const float *vc,
+INLINE void task(const int nd, const int capped, const float *q, float *out, const float *kc, const float *vc,
                  const int64_t *slots, int64_t start, int64_t p, int64_t t0, int64_t t1,
                  int64_t hk, int64_t Hq, int64_t Hkv, float scale, int64_t window, float softcap) {
     const int64_t D = nd * VL, G = Hq / Hkv, run = Hkv * D, nq = (t1 - t0) * G;
@@ -89,7 +89,7 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
             for (int r = 0; r < QR; r++) {
                 const int64_t i = row[r];
                 vf top = (vf){0} + m[i];
-                if (softcap > 0.0f) /* Gemma 2's: softcap * tanh(score / softcap), lane by lane */
+                if (capped) /* Gemma 2's: softcap * tanh(score / softcap), lane by lane */
                     for (int u = 0; u < NV; u++) {
                         float t[VL];
                         store(t, (s[r][u] + s1[r][u]) * scale);
@@ -98,7 +98,7 @@ INLINE void task(const int nd, const float *q, float *out, const float *kc, cons
                         s1[r][u] = (vf){0};
                     }
                 for (int u = 0; u < NV; u++) {
-                    s[r][u] = softcap > 0.0f ? s[r][u] : (s[r][u] + s1[r][u]) * scale;
+                    s[r][u] = capped ? s[r][u] : (s[r][u] + s1[r][u]) * scale;
                     if (last[r] < KB - 1) /* keys past the query's position, or past the last */
                         s[r][u] = pick(lanes() + u * VL > last[r], (vf){0} - INFINITY, s[r][u]);
                     if (below[r] > 0) /* keys before its window: a block wholly before it adds nothing */
@@ -161,7 +161,11 @@ void fanout_extend_attention(const float *q, float *out, const float *kc, const 
         const int64_t t1 = t0 + QB < counts[r] ? t0 + QB : counts[r];
         const int64_t *slots = table + req[r] * stride;
 #define CASE(ND) \
-    case ND: task(ND, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window, softcap); \
+    case ND: /* two builds of the loop: no tanh calls, nor tests, in the uncapped one */ \
+        if (softcap > 0.0f) \
+            task(ND, 1, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window, softcap); \
+        else \
+            task(ND, 0, q, out, kc, vc, slots, starts[r], prefix[r], t0, t1, hk, Hq, Hkv, scale, window, softcap); \
         break;
         switch (nd) {
             CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
