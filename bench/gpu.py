@@ -49,6 +49,8 @@ from worker.engine.kernels.extend_attention import extend_attention, extend_atte
 from worker.engine.kernels.lora import lora_add, lora_ref  # noqa: E402
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
+from worker.engine.models.config import MoEConfig  # noqa: E402
+from worker.engine.models.moe import MoE  # noqa: E402
 from worker.engine.models.qwen2_vl import repeat_frames  # noqa: E402
 from worker.engine.models.tiny import build_tiny_model, build_tiny_qwen2_vl  # noqa: E402
 
@@ -188,6 +190,19 @@ def kernel_checks(dev, cfg):
         got = lora_add(x, out.clone(), a, b, slots)
         ref = lora_ref(x, out.clone(), a, b, slots)
         rows.append(dict(kernel="lora_add", dtype=str(dtype).removeprefix("torch."), heads="3 subs, r16",
+                         page=0, **_close(got, ref, dtype)))
+        # A mixture of experts' grouped matmuls (kernels/fused_moe.py) against the loop over
+        # experts (models/moe.py), the same routing: 100 tokens, 8 experts, 2 a token.
+        moe = MoE(MoEConfig(8, 2, 256, True, (0,), False), hidden_size=128)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        moe = moe.to(dev, dtype)
+        x = torch.randn(100, 128, generator=gen).to(dev, dtype)
+        with torch.inference_mode():
+            route = moe.route(x)
+            got, ref = moe.fused(x, *route), moe.loop(x, *route)
+        rows.append(dict(kernel="fused_moe", dtype=str(dtype).removeprefix("torch."), heads="8 experts, top 2",
                          page=0, **_close(got, ref, dtype)))
     sync(dev)
     return rows

@@ -28,8 +28,8 @@ def test_gpu_script_dry_run(tmp_path):
     assert {k["kernel"] for k in kernels} == {"decode_attention", "extend_attention", "store_kv", "lora_add",
                                               "decode_attention window 37", "extend_attention window 37",
                                               "decode_attention window 37 softcap 5",
-                                              "extend_attention window 37 softcap 5"}
-    assert len(kernels) == 30 and all(k["ok"] for k in kernels)  # 28 attention rows, a LoRA row per dtype
+                                              "extend_attention window 37 softcap 5", "fused_moe"}
+    assert len(kernels) == 32 and all(k["ok"] for k in kernels)  # 28 attention rows, a LoRA and a MoE row a dtype
     g = res["greedy"]
     for pair in ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf"):
         assert g[pair]["exact"] == g["prompts"] == 3, pair  # fp32 on a CPU: exact
@@ -85,6 +85,6 @@ def test_a_run_killed_midway_keeps_the_sections_it_finished(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     res = json.loads((out / "gpu.json").read_text())
-    assert len(res["kernels"]) == 30 and all(k["ok"] for k in res["kernels"])  # 28 attention, 2 LoRA
+    assert len(res["kernels"]) == 32 and all(k["ok"] for k in res["kernels"])  # 28 attention, 2 LoRA, 2 MoE
     assert "vision" not in res and not res["correct"]  # cut short: not all checks ran
-    assert "30/30 ok" in (out / "gpu.md").read_text()
+    assert "32/32 ok" in (out / "gpu.md").read_text()

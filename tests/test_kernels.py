@@ -493,3 +493,36 @@ def test_soft_capped_scores_on_every_path(window):
                 plain = extend_attention_ref(*args, window=window)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}, {mode}: {m}")
             assert not torch.allclose(out, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_equals_the_expert_loop(dtype):
+    """The GPU's grouped matmuls (kernels/fused_moe.py, in the interpreter) against the CPU's
+    loop over experts (models/moe.py) on the same weights: 37 tokens, 5 experts, 2 a token,
+    routed unevenly (one expert with no token); align puts every pair once, in blocks of one
+    expert each."""
+    from worker.engine.kernels import fused_moe
+    from worker.engine.models.config import MoEConfig
+    from worker.engine.models.moe import MoE
+    g = torch.Generator().manual_seed(23)
+    moe = MoE(MoEConfig(5, 2, 48, True, (0,), False), hidden_size=32)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        moe.router.weight[:, 0] = torch.tensor([1.0, 1.0, 1.0, 1.0, -10.0])  # expert 4: never picked
+    moe = moe.to(dtype)
+    x = torch.randn(37, 32, generator=g)
+    x[:, 0] = 5.0
+    x = x.to(dtype)
+    weights, experts = moe.route(x)
+    counts = torch.bincount(experts.flatten(), minlength=5).tolist()
+    assert counts[4] == 0 and len(set(counts[:4])) > 1, counts
+    ids, blocks = fused_moe.align(experts, 5)
+    real = ids[ids < 74]
+    assert sorted(real.tolist()) == list(range(74))  # every pair once
+    for b, e in enumerate(blocks.tolist()):
+        pairs = ids[b * fused_moe.BLOCK_M:(b + 1) * fused_moe.BLOCK_M]
+        pairs = pairs[pairs < 74]
+        assert e == -1 and not len(pairs) or (experts.flatten()[pairs] == e).all()
+    with torch.inference_mode():
+        torch.testing.assert_close(moe.fused(x, weights, experts), moe.loop(x, weights, experts), **TOL[dtype])

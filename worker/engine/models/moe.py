@@ -5,8 +5,10 @@ The tokens' (token, expert) pairs are sorted by expert, so each expert's rows ar
 contiguous slice: one matmul pair per expert that has tokens, however many tokens the batch
 holds (a grouped matmul as a loop over the experts), not one per token. The outputs, weighed
 by the routing probabilities, are added back to their tokens in expert order, as
-transformers adds them. The counts per expert are read on the host: a MoE model runs
-without CUDA graphs (model_runner.py).
+transformers adds them. On a GPU the same runs as two Triton grouped matmuls over the pairs
+sorted on the device (kernels/fused_moe.py), each block of rows one expert's; the CPU's loop
+reads the counts per expert on the host. A MoE model runs without CUDA graphs for now
+(model_runner.py): the fused path has not been captured on a device yet.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        return (self.fused if x.is_cuda else self.loop)(x, weights, experts)
+
+    def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts in turn, each over its tokens (the module doc)."""
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, expert) pairs grouped by expert
         tokens = order // self.top_k
@@ -59,3 +65,16 @@ class MoE(nn.Module):
         w = weights.flatten()[order, None]
         out = out * w.to(out.dtype) if self.weights_in_model_dtype else (out * w).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """forward's sum through the Triton kernels (kernels/fused_moe.py; on a CPU, under the
+        Triton interpreter: the tests'). The routing weights are applied in fp32 (Mixtral's
+        way; Qwen3-MoE's product in the model's dtype differs by its rounding only)."""
+        from ..kernels import fused_moe
+        T, k = experts.shape
+        ids, blocks = fused_moe.align(experts, self.num_experts)
+        h = fused_moe.expert_matmul(x, self.experts_gate_up, ids, blocks, T * k, row_div=k)
+        gate, up = h.chunk(2, dim=-1)
+        y = fused_moe.expert_matmul((F.silu(gate) * up).contiguous(), self.experts_down, ids, blocks,
+                                    T * k, row_div=1, weights=weights.flatten().float())
+        return y.view(T, k, -1).sum(dim=1)
