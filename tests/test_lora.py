@@ -109,6 +109,13 @@ def test_bad_adapters_are_refused_naming_why(setup, tmp_path):
         Engine(setup["base"], lora=["nameonly"])
 
 
+@pytest.mark.parametrize("arch,why", [("mixtral", "not on a mixture of experts"), ("gemma3", "not on GemmaLM")])
+def test_models_that_take_no_adapters_say_so_at_start(setup, arch, why):
+    path = build_tiny_model(str(setup["root"] / arch), arch=arch)
+    with pytest.raises(LoraError, match=why):
+        Engine(path, max_loras=2)
+
+
 def test_the_benchmark_runs(setup):
     """bench/lora.py, small: its rounds report the three rates and the ratios."""
     import os

@@ -110,6 +110,9 @@ class Loras:
         if type(model) is not CausalLM:
             raise LoraError(f"LoRA adapters: not on {type(model).__name__} (text models of the Llama "
                             "family only)")
+        if model.cfg.moe is not None:
+            raise LoraError(f"LoRA adapters: not on a mixture of experts ({model.cfg.architecture}: "
+                            "its experts' MLPs take no adapters yet)")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.adapters: dict[str, Adapter] = {}
         self.current: LoraBatch | None = None
