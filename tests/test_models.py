@@ -252,6 +252,8 @@ def test_sliding_windows_as_transformers_applies_them():
         windows("Phi3ForCausalLM", partial_rotary_factor=0.75)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported"):
         windows("LlamaForCausalLM", rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported in experts"):
+        windows("MixtralForCausalLM", hidden_act="gelu")  # the experts' MLPs are SiLU-gated
     with pytest.raises(ValueError, match="layer_types has 2 entries for 3 layers"):
         windows("Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True,
                 layer_types=["full_attention"] * 2)

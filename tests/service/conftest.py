@@ -1,6 +1,7 @@
 """The whole service for end-to-end tests: a real Redis (REDIS_URL if set, else an embedded
 server), a tiny random-weight model, two API processes (any serves any job) and a worker
 process, all over real sockets. Everything waits with bounded timeouts."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -200,6 +201,23 @@ class WorkerProc:
 
     def stop(self, sig=signal.SIGTERM) -> int:
         return self.proc.stop(sig)
+
+
+@contextlib.contextmanager
+def own_service(model, logs, name, args=()):
+    """A service of its own beside the session's: an embedded Redis, an API and one worker
+    serving `model` as `name` (more worker flags in `args`). Yields (API url, Redis url);
+    stops the three after."""
+    server = EmbeddedRedis()
+    api, url = start_api(server.url, logs, f"api-{name}")
+    worker = WorkerProc(server.url, model, logs, args=["--served-model-name", name, *args])
+    worker.start()
+    try:
+        yield url, server.url
+    finally:
+        worker.stop()
+        api.stop()
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from cli.redis_server import EmbeddedRedis
-from conftest import WorkerProc, start_api
+from conftest import own_service
 from worker.engine.models import demo
 
 NAME = "smol"
@@ -18,16 +17,9 @@ RESULT = "Sunny, 24 degrees Celsius"
 
 @pytest.fixture(scope="module")
 def demo_api(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("agents")
-    server = EmbeddedRedis()
-    api, url = start_api(server.url, logs, "api")
-    worker = WorkerProc(server.url, demo.fetch_demo_model(), logs,
-                        args=["--served-model-name", NAME, "--kv-tokens", "16384"])
-    worker.start()
-    yield url
-    worker.stop()
-    api.stop()
-    server.stop()
+    with own_service(demo.fetch_demo_model(), tmp_path_factory.mktemp("agents"), NAME,
+                     ["--kv-tokens", "16384"]) as (url, _):
+        yield url
 
 
 @tool

@@ -13,8 +13,7 @@ import openai
 import pytest
 import torch
 
-from cli.redis_server import EmbeddedRedis
-from conftest import WorkerProc, start_api, wait_for
+from conftest import own_service, wait_for
 from test_openai_batch import jsonl, wait
 from worker.engine.models import demo
 
@@ -25,15 +24,8 @@ LONG = "word " * 300  # 302 tokens: past MiniLM's 256
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("embeddings")
-    server = EmbeddedRedis()
-    api, url = start_api(server.url, logs, "api")
-    worker = WorkerProc(server.url, demo.fetch_embedding_model(), logs, args=["--served-model-name", NAME])
-    worker.start()
-    yield url
-    worker.stop()
-    api.stop()
-    server.stop()
+    with own_service(demo.fetch_embedding_model(), tmp_path_factory.mktemp("embeddings"), NAME) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import openai
 import pytest
 import redis as redis_lib
 
-from cli.redis_server import EmbeddedRedis
-from conftest import WorkerProc, start_api
+from conftest import own_service
 from results import reader
 from results.client import Client
 from worker.engine import Engine, SamplingParams
@@ -29,15 +28,8 @@ def family(request, tmp_path_factory):
 def service(family, tmp_path_factory):
     """(API url, redis url) of a service whose only worker serves the family's model."""
     name, path = family
-    server = EmbeddedRedis()
-    logs = tmp_path_factory.mktemp(f"{name}-logs")
-    api, url = start_api(server.url, logs, f"api-{name}")
-    w = WorkerProc(server.url, path, logs, args=["--served-model-name", name])
-    w.start()
-    yield url, server.url
-    w.stop()
-    api.stop()
-    server.stop()
+    with own_service(path, tmp_path_factory.mktemp(f"{name}-logs"), name) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")

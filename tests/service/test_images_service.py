@@ -22,9 +22,8 @@ from results import keys, reader
 from results.client import Client
 from worker.engine import Engine, SamplingParams
 from worker.engine.models.tiny import build_tiny_llava
-from cli.redis_server import EmbeddedRedis
 
-from conftest import WorkerProc, start_api
+from conftest import own_service
 
 SP = {"max_new_tokens": 6, "temperature": 0}
 IMAGE_MEMORY = 200_000_000  # the vision worker's --image-memory
@@ -72,18 +71,11 @@ def llava(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vision_service(llava, tmp_path_factory, image_server):
     """(API url, redis url) of a service whose only worker serves the LLaVA."""
-    server = EmbeddedRedis()
-    logs = tmp_path_factory.mktemp("vision-logs")
-    api, url = start_api(server.url, logs, "api-vision")
     # --delta-interval 0: every token its own stream entry, so the streaming tests see many.
-    w = WorkerProc(server.url, llava, logs, args=["--served-model-name", "tiny-llava", "--delta-interval", "0",
-                                                  "--image-http-hosts", image_server.url.removeprefix("http://"),
-                                                  "--image-memory", str(IMAGE_MEMORY)])
-    w.start()
-    yield url, server.url
-    w.stop()
-    api.stop()
-    server.stop()
+    with own_service(llava, tmp_path_factory.mktemp("vision-logs"), "tiny-llava",
+                     ["--delta-interval", "0", "--image-http-hosts", image_server.url.removeprefix("http://"),
+                      "--image-memory", str(IMAGE_MEMORY)]) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,25 @@ def step_until(w, engine, cond, limit=100) -> int:
     raise AssertionError("not reached")
 
 
+def sent_every_step_to_the_end(w, r, engine, job_id) -> None:
+    """Step the running job to its end: a transaction (at least) every step, and it succeeds."""
+    before = transactions(r)
+    steps = step_until(w, engine, lambda: not w.attempts.active)
+    assert transactions(r) - before >= steps
+    assert jobs.status_of(r, job_id)[0] == "succeeded"
+
+
+def carrying_item_0(w, r, settings, engine):
+    """(job id, its attempt) of an unfollowed job stepped until item 0 finished: its sample
+    carried, nothing stored yet."""
+    job_id = submit(r, settings)
+    w.admission.admit(block=False)
+    (a,) = w.attempts.active.values()
+    step_until(w, engine, lambda: a.left[0] == 0)
+    assert stored(r, job_id) == {}
+    return job_id, a
+
+
 def test_an_unfollowed_job_is_sent_every_few_steps_and_ends_after_its_samples(fleet, engine):
     w, r, settings = fleet
     job_id = submit(r, settings)
@@ -117,10 +136,7 @@ def test_an_engine_with_room_is_sent_every_step(fleet, engine):
     w.admission.admit(block=False)
     w.publisher.publish(engine.step())  # its samples reach the scheduler: 2 of 3 slots
     assert w.engine.has_room()
-    before = transactions(r)
-    steps = step_until(w, engine, lambda: not w.attempts.active)
-    assert transactions(r) - before >= steps
-    assert jobs.status_of(r, job_id)[0] == "succeeded"
+    sent_every_step_to_the_end(w, r, engine, job_id)
 
 
 def test_a_followed_job_is_sent_every_step(fleet, engine):
@@ -131,19 +147,12 @@ def test_a_followed_job_is_sent_every_step(fleet, engine):
     assert all(a.followed for a in w.attempts.active.values())
     step_until(w, engine, lambda: "0:0" in stored(r, job_id))  # item 0's final goes out at its step
     assert w.attempts.active  # long before the shard ends
-    before = transactions(r)
-    steps = step_until(w, engine, lambda: not w.attempts.active)
-    assert transactions(r) - before >= steps
-    assert jobs.status_of(r, job_id)[0] == "succeeded"
+    sent_every_step_to_the_end(w, r, engine, job_id)
 
 
 def test_an_attempt_that_fails_sends_its_carried_samples_first(fleet, engine):
     w, r, settings = fleet
-    job_id = submit(r, settings)
-    w.admission.admit(block=False)
-    (a,) = w.attempts.active.values()
-    step_until(w, engine, lambda: a.left[0] == 0)  # item 0 finished, and carried
-    assert stored(r, job_id) == {}
+    job_id, a = carrying_item_0(w, r, settings, engine)
     w.attempts.fail(a, "RuntimeError: boom")
     assert list(stored(r, job_id)) == ["0:0"]  # sent before the attempt ended
     w.admission.admit(block=False)  # the retry: item 0 is not generated again
@@ -158,10 +167,7 @@ def test_an_attempt_that_fails_sends_its_carried_samples_first(fleet, engine):
 
 def test_a_cancel_sends_the_carried_samples_and_stops_the_job(fleet, engine):
     w, r, settings = fleet
-    job_id = submit(r, settings)
-    w.admission.admit(block=False)
-    (a,) = w.attempts.active.values()
-    step_until(w, engine, lambda: a.left[0] == 0)
+    job_id, _ = carrying_item_0(w, r, settings, engine)
     jobs.cancel(r, job_id, settings)
     w.publisher._next_send = 0.0  # the interval is up: the next step's send reads the flag
     w.publisher.publish(engine.step())
@@ -175,10 +181,7 @@ def test_a_reaped_attempt_never_writes_its_carried_samples(fleet, engine):
     reaper queued the shard again): the drop discards the carried writes, and the next
     attempt stores every sample once; counted once."""
     w, r, settings = fleet
-    job_id = submit(r, settings)
-    w.admission.admit(block=False)
-    (a,) = w.attempts.active.values()
-    step_until(w, engine, lambda: a.left[0] == 0)
+    job_id, _ = carrying_item_0(w, r, settings, engine)
     queues = [Queue(name, connection=r, serializer=JSONSerializer) for name in model_queues("llama")]
     for q in queues:
         for entry in r.zrange(q.started_job_registry.key, 0, -1):

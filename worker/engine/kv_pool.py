@@ -55,7 +55,7 @@ class KVPool:
             size = 2 * num_layers * self.num_slots * num_kv_heads * head_dim * _itemsize(dtype)
             # The tensor keeps the mapping alive; zero pages until written (the module doc).
             mapping = mmap.mmap(-1, size)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: fewer first-use faults
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where allowed: fewer first-use faults
                 mapping.madvise(mmap.MADV_HUGEPAGE)
             buffers = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype)
             layers = list(buffers.view(2 * num_layers, *shape))

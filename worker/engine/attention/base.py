@@ -21,8 +21,9 @@ class AttentionBackend(ABC):
 
     `prepare` runs once per eager forward pass; `forward` runs per layer: `store`, then
     `attend` (a caller that writes the K/V itself, as the CPU's fused RoPE does, calls `attend`
-    alone), each layer within its sliding window, if it has one. Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A
-    backend whose decode `forward` is capturable (fixed-size device tensors, no host reads) sets `supports_cuda_graph` and gives
+    alone), each layer within its sliding window, if it has one. Shapes: q [T, Hq, D]; k, v
+    [T, Hkv, D]; returns [T, Hq, D] in q's dtype. A backend whose decode `forward` is
+    capturable (fixed-size device tensors, no host reads) sets `supports_cuda_graph` and gives
     the two graph hooks: `prepare_capture` (metadata of a static batch, made once before its
     capture) and `prepare_replay` (refresh it from the static buffers before each replay).
     """

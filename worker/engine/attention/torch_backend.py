@@ -61,9 +61,10 @@ class _Extend:
     start: int  # its first new token's position in [T]
     length: int  # new tokens
     pages: torch.Tensor  # [seq / page_size] its KV pages, seq padded to whole pages
-    # [n, seq] additive, causal (and within the window); None for a row with no cached prefix
-    # and no window: query i then sees keys 0..i, SDPA's own causal alignment, which skips the masked half instead of adding -inf
-    # to it (the padding past n is never seen)
+    # [n, seq] additive, causal (and within the window); None for a row with no cached
+    # prefix, no window and no soft cap: query i then sees keys 0..i, SDPA's own causal
+    # alignment, which skips the masked half instead of adding -inf to it (the padding past
+    # n is never seen)
     mask: torch.Tensor | None
 
 
@@ -121,11 +122,14 @@ class TorchBackend(AttentionBackend):
         # The shared-prefix groups need torch's CPU flash kernel; the C kernel has no use for
         # them, nor do sliding windows (a row's window may not hold the whole shared prefix)
         # or soft-capped scores (the flash kernel cannot cap them).
-        self.uses_shared_prefixes = cpu and self.kernel is None and not any(self.windows) and not self.softcap
+        self.uses_shared_prefixes = (cpu and self.kernel is None and not any(self.windows)
+                                     and not self.softcap)
 
     def prepare(self, fb: ForwardBatch) -> TorchMetadata:
         meta = self._prepare(fb, 0)
-        meta.windowed = {w: self._prepare(fb, w) for w in set(self.windows) - {0}}
+        # The C kernels take the window as an argument: only torch's rows need masks of their own.
+        meta.windowed = {w: self._prepare(fb, w) if meta.dec or meta.ext else meta
+                         for w in set(self.windows) - {0}}
         return meta
 
     def _prepare(self, fb: ForwardBatch, window: int) -> TorchMetadata:
@@ -241,7 +245,7 @@ class TorchBackend(AttentionBackend):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         s = (q @ k.transpose(-1, -2)).float() * self.scale
         s = self.softcap * torch.tanh(s / self.softcap) + mask
-        return (torch.softmax(s, dim=-1).to(v.dtype) @ v)
+        return torch.softmax(s, dim=-1).to(v.dtype) @ v
 
     def _shared(self, q, kp, vp, g: _Shared, Hkv: int, G: int, D: int) -> torch.Tensor:
         """kp, vp: the layer's pools, a row a page."""

@@ -191,6 +191,10 @@ class MoEConfig:
     def _from_dict(cls, raw: dict, arch: str, num_layers: int) -> "MoEConfig | None":
         # transformers 5 writes num_local_experts where Qwen's own configs say num_experts
         experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        act = raw.get("hidden_act", "silu")
+        if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") and act != "silu":
+            raise ValueError(f"config.json: hidden_act {act!r} is not supported in experts "
+                             "(only 'silu')")
         if arch == "MixtralForCausalLM":
             moe = cls(experts or 8, int(raw.get("num_experts_per_tok", 2)),
                       int(raw["intermediate_size"]), True, tuple(range(num_layers)), False)
@@ -253,12 +257,11 @@ class ModelConfig:
     # head_dim // 2, take their angle from the t, h and w positions in turn (rope.py).
     mrope_section: tuple[int, ...] | None = None
     # Each layer's sliding window (a query sees its last `window` positions, itself included;
-    # 0: every earlier one): Mistral's on every layer, Qwen2's past max_window_layers, or
-    # the config's layer_types. Empty when no layer has one.
+    # 0: every earlier one), as transformers applies it (_windows). Empty when no layer has one.
     windows: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # a mixture-of-experts model's (Mixtral, Qwen3-MoE)
     hidden_act: str = "silu"  # the MLP's gate activation (llama.py's ACTIVATIONS)
-    gemma: GemmaConfig | None = None  # Gemma 3's
+    gemma: GemmaConfig | None = None  # Gemma 2's and 3's
 
     def attention_scale(self) -> float:
         """What attention scores are scaled by: head_dim ** -0.5, or Gemma's own."""
@@ -334,7 +337,7 @@ class ModelConfig:
             raise ValueError(f"config.json: mrope_section {list(mrope)} does not sum to "
                              f"head_dim / 2 ({head_dim // 2})")
         max_pos = int(need("max_position_embeddings"))
-        windows = _windows(raw, arch, int(need("num_hidden_layers")))
+        layers = int(need("num_hidden_layers"))
         eos = (gen or {}).get("eos_token_id")
         if eos is None:
             eos = raw.get("eos_token_id")
@@ -343,7 +346,7 @@ class ModelConfig:
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -361,8 +364,8 @@ class ModelConfig:
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
             vision=vision,
             mrope_section=mrope,
-            windows=windows,
-            moe=MoEConfig.from_dict(raw, arch, int(need("num_hidden_layers"))),
+            windows=_windows(raw, arch, layers),
+            moe=MoEConfig.from_dict(raw, arch, layers),
             hidden_act=act,
             gemma=gemma,
         )
@@ -412,7 +415,7 @@ def _windows(raw: dict, arch: str, num_layers: int) -> tuple[int, ...]:
             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
     types = raw.get("layer_types")
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
-        types = ["sliding_attention"] * num_layers  # every layer (their transformers code ignores layer_types)
+        types = ["sliding_attention"] * num_layers  # every layer: transformers ignores their layer_types
     elif arch in qwen and raw.get("use_sliding_window"):  # else transformers drops the window
         if types is None:
             first = int(raw.get("max_window_layers", num_layers))

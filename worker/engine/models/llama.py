@@ -123,7 +123,6 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: cpu_linear.Panels | None = None  # both, packed (pack())
-        self.silu = cfg.hidden_act == "silu"
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def pack(self) -> None:
@@ -131,7 +130,7 @@ class MLP(nn.Module):
         intermediate] product and no elementwise passes over it (a 2,048-token chunk of
         SmolLM2 with oneDNN: the MLP's first half 58 -> 48 ms once fused). Without a bias
         and with SiLU only (the kernel's activation)."""
-        if self.gate_up_proj.bias is not None or not self.silu:
+        if self.gate_up_proj.bias is not None or self.act is not F.silu:
             return
         self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
         self.gate_up_proj = None
