@@ -58,7 +58,8 @@ def build(name: str) -> str | None:
     for file in [f"{name}.c", *sorted(f for f in os.listdir(FOLDER) if f.endswith(".h"))]:
         with open(os.path.join(FOLDER, file), "rb") as f:
             src += f.read()
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    key = key.hexdigest()[:16]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     folder = os.path.join(cache, "fanout", "kernels")
     path = os.path.join(folder, f"{name}-{key}.so")

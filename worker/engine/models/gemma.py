@@ -32,11 +32,10 @@ if TYPE_CHECKING:
 
 
 class GemmaRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    """Never fused with a residual add: Gemma norms each sublayer's output before adding it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()

@@ -71,8 +71,8 @@ def build_tiny_model(out_dir: str, arch: str = "llama", hidden_size: int = 64,
     enough that greedy picks are rarely near-ties); norm weights ~ U(0.5, 1.5) and biases
     ~ N(0, 0.5), so a loader that drops or swaps them is caught. `shards > 1` saves a sharded
     checkpoint with an index. `rope_scaling` is HF's dict ({"rope_type": "llama3", ...}).
-`sliding_window`: Mistral's and Phi-3's on every layer; Qwen2's and Qwen3's on every layer but
-the first.
+`sliding_window`: Mistral's, Mixtral's and Phi-3's on every layer; Qwen2's, Qwen3's and
+Qwen3-MoE's on every layer but the first; Gemma's sliding layers' (16 when not given).
     Tokenizer: `<|bos|>` (prepended by encode), `<|eos|>` (also the generation eos), `<|pad|>`,
     and a chat template "<|bos|><|role|>\ncontent<|eos|>\n...<|assistant|>\n".
 
@@ -136,8 +136,9 @@ def _stamp(out_dir: str) -> dict | None:
 
 
 def _model(s: dict, tokenizer, dtype: torch.dtype):
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig,
@@ -153,7 +154,7 @@ def _model(s: dict, tokenizer, dtype: torch.dtype):
               pad_token_id=tokenizer.pad_token_id,
               # transformers 5 folds these two into `rope_parameters`; 4.x takes them as is.
               rope_theta=10000.0, rope_scaling=s["rope_scaling"])
-    if s["arch"] in ("qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3"):  # head_dim defaults not hidden / heads
+    if s["arch"] in ("qwen3", "mistral", "qwen3_moe", "gemma2", "gemma3"):  # their head_dim defaults differ
         kw["head_dim"] = s["hidden_size"] // s["num_heads"]
     if s["arch"] == "mixtral":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
