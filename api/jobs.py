@@ -383,7 +383,8 @@ def cancel(redis, job_id: str, settings: Settings) -> str:
     """Request a cancel; returns the status after it. A job none of whose shards runs is
     canceled here (a worker claims a shard only while the flag is absent, in one
     transaction, so none can start after this looked); a running one by its workers,
-    each within one engine step (they watch the flag)."""
+    each within one engine step (they read the flag with each send, and this wakes them:
+    keys.wake)."""
     status, _ = status_of(redis, job_id)
     if status in events.TERMINAL:
         return status
@@ -391,6 +392,9 @@ def cancel(redis, job_id: str, settings: Settings) -> str:
     # after the close would outlive the job's other keys, which the close gave their TTL.
     redis.eval(_FLAG, 2, keys.closed(job_id), keys.cancel(job_id), settings.job_timeout + settings.result_ttl)
     if redis.hlen(keys.running(job_id)):
+        model, base, priority = map(_text, redis.hmget(keys.info(job_id), "model", "base", "priority"))
+        # Its workers act now, not at their next send (a full engine carries its writes).
+        redis.publish(keys.wake(shards.queue_of({"model": model, "base": base, "priority": priority})), job_id)
         return "running"
     publisher.close(redis, job_id, "canceled", settings.result_ttl,
                     **shards.totals(redis, job_id))

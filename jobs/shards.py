@@ -177,6 +177,8 @@ def create(pipe, q: Queue, job_id: str, kind: str, lay: Layout, settings: Settin
             q.schedule_job(job, run_at, pipeline=pipe)
         else:
             q.enqueue_job(job, pipeline=pipe)
+    if run_at is None:
+        pipe.publish(keys.wake(q.name), job_id)  # workers with full engines look now
     fields = {"kind": kind, "bounds": lay.bounds.encode(), "shards": total}
     if in_store:
         fields["items_in"] = "store"

@@ -256,6 +256,15 @@ def followed(stream_key: str) -> str:
     return f"{stream_key}:followed"
 
 
+def wake(queue: str) -> str:
+    """Pub/sub channel of an rq queue's workers (queue: its name, jobs.spec.queue_name):
+    published when they should look at Redis now rather than at their next send (at most
+    `--delta-interval` later): a job's first shards queued (jobs.shards.create), a cancel
+    (api/jobs.py). A worker whose full engine carries its writes (worker/publish.py) then
+    sends at once, so a new job joins it, and a cancel acts, within a step."""
+    return f"{PREFIX}:wake:{queue}"
+
+
 def webhooks() -> str:
     """The webhook outbox: sorted set of deliveries (`job:<id>`, `batch:<id>`) by when each is
     due; an API process sending one pushes it a lease ahead (api/webhooks.py)."""

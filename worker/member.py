@@ -52,6 +52,7 @@ class Member(BaseWorker):
         self.heartbeat_s = settings.heartbeat_ttl / 3
         self._next_beat = 0.0
         self._counted: tuple[float, int, int] | None = None  # (when, prefill, decode tokens) at the last beat
+        self.wakes = 0  # messages on its queues' wake channels (keys.wake), counted by rq's listener thread
         self.delayed = RQScheduler(self.queues, connection, serializer=JSONSerializer)
         self._next_schedule = 0.0
 
@@ -70,16 +71,22 @@ class Member(BaseWorker):
         super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
 
     def subscribe(self) -> None:
-        """rq's, with its listener thread waking every second, not every 60. redis-py's
+        """rq's, also on its queues' wake channels (keys.wake), with its listener thread
+        waking every second, not every 60. redis-py's
         PubSubWorkerThread.stop() (8.x) waits for the thread, which reads its stop flag only
         between reads: when the unsubscribe's reply came before the flag was cleared (the loop
         descheduled a moment, as under load), a shutdown waited up to a minute, past a pod's
         grace period and the tests' 30 s."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
-        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        channels = {keys.wake(q.name): self._on_wake for q in self.queues}
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload, **channels})
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=LISTEN_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
+
+    def _on_wake(self, message) -> None:
+        # The listener thread counts; the loop compares (publish.py): one writer, no lock.
+        self.wakes += 1
 
     def busy(self, pipe) -> None:
         """A claim's writes of the worker's own (in the claim's transaction)."""

@@ -12,18 +12,19 @@ of the work.
 
 When to send: every step while a running job is followed (its first tokens and finals go
 out at once), a shard has finished all its samples (it ends, after them) or the engine has
-room (a queued shard may join at once); otherwise (a full engine of batches) a step's
-writes are carried (Attempts.carry) and go with a later step's, at most `interval` seconds
-after the last send: a GPU stepping 30 times a second then makes one round trip to Redis
-every 3 steps, not every step, and Redis's cost per sample is mostly round trips
-(docs/benchmarks.md). A new job's shard that may join the full engine beside the others
-(Engine.has_room_for_owner) is seen at the next send, within `interval`. Every end of an
-attempt sends the carried writes first (attempts.py).
+room (a queued shard may join at once), or a message on the queues' wake channel came (a
+new job was queued, or a cancel asked: keys.wake, read by rq's listener thread, so looking
+costs no round trip); otherwise (a full engine of batches) a step's writes are carried
+(Attempts.carry) and go with a later step's, at most `interval` seconds after the last
+send: a GPU stepping 30 times a second then makes one round trip to Redis every 3 steps,
+not every step, and Redis's cost per sample is mostly round trips (docs/benchmarks.md).
+Every end of an attempt sends the carried writes first (attempts.py).
 
 The same round trip reads the running shards' cancel flags, their jobs' followed flags
 and the queue lengths (or, when only a new job's shard may join a full engine, the
-queues' first PEEK shard ids): a cancel is seen, and a queued shard taken, within
-`interval` (or one step, when the step is longer); then the finished shards end and the
+queues' first PEEK shard ids): a new job's shard that may join the full engine beside the
+others (Engine.has_room_for_owner) is taken, and a cancel acts, at the step after its
+wake (other queued shards within `interval`); then the finished shards end and the
 flagged ones are canceled.
 
 `Publisher` owns the send timer; it reads the engine's room and the queues (member.py),
@@ -66,6 +67,7 @@ class Publisher:
         # an unfollowed step's writes at most that late (the module's docstring).
         self.interval = interval
         self._next_send = 0.0
+        self._wakes = 0  # member.wakes at the last look
 
     def publish(self, events: list) -> tuple[bool, list[list[bytes]] | None]:
         """One step's events -> the carried writes (Attempts.carry); when due, one Redis
@@ -103,8 +105,9 @@ class Publisher:
                     a.pending[key] = (text, ids, lps)
                 continue
             at.record(batch, a, ev.index, ev.sample, sample_record(ev), text, ids)
-        t = time.monotonic()
-        due = t >= self._next_send
+        t, wakes = time.monotonic(), self.member.wakes
+        due = t >= self._next_send or wakes != self._wakes  # woken: a new job queued, or a cancel
+        self._wakes = wakes
         if due:
             self._next_send = t + self.interval
             for a in active.values():

@@ -9,9 +9,12 @@ invariants that hold all the same:
 a shard ends only after its samples are stored; an attempt that ends otherwise (fails,
 is canceled) sends its carried samples first, so the next attempt does not redo them; an
 attempt reaped while its samples were carried never writes them (the next attempt stores
-each sample once); a followed job is sent every step.
+each sample once); a followed job is sent every step; a new job or a cancel wakes the
+worker (keys.wake), and its next step sends.
 """
+import contextlib
 import json
+import time
 
 import pytest
 import redis as redis_lib
@@ -165,12 +168,48 @@ def test_an_attempt_that_fails_sends_its_carried_samples_first(fleet, engine):
     assert int(r.hget(keys.info(job_id), "samples_done")) == 4
 
 
+@contextlib.contextmanager
+def woken(w):
+    """The worker's listener on its queues' wake channels (keys.wake), as `fanout worker`
+    starts it; yields a wait for the next message."""
+    w.member.subscribe()
+    try:
+        def wait(seen):
+            deadline = time.monotonic() + 10  # the listener reads the message as it arrives
+            while w.member.wakes == seen:
+                assert time.monotonic() < deadline, "no wake message came"
+                time.sleep(0.005)
+        yield wait
+    finally:
+        w.member.pubsub_thread.stop()
+        w.member.pubsub.close()
+
+
+def test_a_new_job_wakes_a_carrying_worker_at_its_next_step(fleet, engine):
+    """Carried steps send nothing, so the queues are not read; a new job's submit publishes
+    on the queue's wake channel and the next step sends and reads them, whatever the
+    interval (here an hour)."""
+    w, r, settings = fleet
+    carrying_item_0(w, r, settings, engine)
+    with woken(w) as wait:
+        seen = w.member.wakes
+        assert w.publisher.publish(engine.step()) == (False, None)  # carried: nothing read
+        submit(r, settings)
+        wait(seen)
+        before = transactions(r)
+        queued, _ = w.publisher.publish(engine.step())
+    assert queued and transactions(r) == before + 1
+
+
 def test_a_cancel_sends_the_carried_samples_and_stops_the_job(fleet, engine):
+    """The cancel wakes the worker: its next step reads the flag, whatever the interval."""
     w, r, settings = fleet
     job_id, _ = carrying_item_0(w, r, settings, engine)
-    jobs.cancel(r, job_id, settings)
-    w.publisher._next_send = 0.0  # the interval is up: the next step's send reads the flag
-    w.publisher.publish(engine.step())
+    with woken(w) as wait:
+        seen = w.member.wakes
+        jobs.cancel(r, job_id, settings)
+        wait(seen)
+        w.publisher.publish(engine.step())
     assert not w.attempts.active  # its requests aborted (their last events leave the engine next step)
     assert jobs.status_of(r, job_id)[0] == "canceled"
     assert list(stored(r, job_id)) == ["0:0"]  # the finished sample stays
