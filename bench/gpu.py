@@ -1,6 +1,7 @@
 """The GPU check, in one command: kernels on the device, greedy output with CUDA graphs on ==
 graphs off == transformers, decode step time per batch size with and without graphs, memory
-bandwidth per decode step, and throughput against transformers `generate`.
+bandwidth per decode step, throughput against transformers `generate`, and the model with
+8-bit weights (int8, fp8 where the GPU has it) against itself in the dtype.
 
     python bench/gpu.py                      # CUDA: a Qwen2.5-0.5B-shaped random model, bf16
     python bench/gpu.py --dry-run            # CPU: a tiny model through the same code paths
@@ -48,6 +49,7 @@ from worker.engine.kernels.decode_attention import decode_attention, decode_atte
 from worker.engine.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
 from worker.engine.kernels.lora import lora_add, lora_ref  # noqa: E402
 from worker.engine.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from worker.engine.kernels import w8_linear  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
 from worker.engine.models.config import MoEConfig  # noqa: E402
 from worker.engine.models.moe import MoE  # noqa: E402
@@ -204,11 +206,58 @@ def kernel_checks(dev, cfg):
             got, ref = moe.fused(x, *route), moe.loop(x, *route)
         rows.append(dict(kernel="fused_moe", dtype=str(dtype).removeprefix("torch."), heads="8 experts, top 2",
                          page=0, **_close(got, ref, dtype)))
+        # 8-bit weights (kernels/w8_linear.py) against x times the dequantized weight: int8,
+        # and fp8 where the GPU has e4m3 (not in the interpreter).
+        w = torch.randn(300, 256, generator=gen)
+        x = torch.randn(37, 256, generator=gen).to(dev, dtype)
+        for fmt in ("int8", "fp8") if fp8_ok(dev) else ("int8",):
+            q = w8_linear.quantize(w, fmt)
+            q = w8_linear.W8(q.q.to(dev), q.scale.to(dev))
+            ref = (x.float() @ q.dequantize().T).to(dtype)
+            rows.append(dict(kernel=f"w8_linear {fmt}", dtype=str(dtype).removeprefix("torch."), heads="300 x 256",
+                             page=0, **_close(w8_linear.linear(x, q), ref, dtype)))
     sync(dev)
     return rows
 
 
 # -- model, engine, transformers -----------------------------------------------------------
+
+def fp8_ok(dev) -> bool:
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+def eight_bit(engine, model_dir, cfg, vocab, dev):
+    """Every linear layer in int8 (and fp8 where the GPU has it) against the same model in
+    the dtype: greedy tokens (count equal, where the first differs) and eager decode step
+    times at batch 1 and 8, with the weights' bytes."""
+    if dev.type != "cuda":
+        return dict(skipped="8-bit weights run on a GPU")
+    batch = prompts(8, 16, 64, vocab, seed=11)
+    want = greedy_ours(engine, batch, [32] * len(batch))
+
+    def steps(e):
+        out = {}
+        for bs in (1, 8):
+            fb, release = synthetic_decode(e, bs, 512)
+            try:
+                out[bs] = timed(lambda: e.runner.forward_eager(fb), cfg["step_iters"], dev) * 1e3
+            finally:
+                release()
+        return out
+
+    rows = [dict(format=cfg["dtype"], weights_mb=engine.runner.mem["weights"] / 1e6, step_ms=steps(engine))]
+    for fmt in ("int8", "fp8") if fp8_ok(dev) else ("int8",):
+        e = Engine(model_dir, device="cuda", dtype=cfg["dtype"], quantization=fmt, kv_tokens=16384,
+                   cuda_graph=False)
+        got = greedy_ours(e, batch, [32] * len(batch))
+        firsts = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+        rows.append(dict(format=fmt, weights_mb=e.runner.mem["weights"] / 1e6, step_ms=steps(e),
+                         equal=f"{sum(f is None for f in firsts)}/{len(batch)}",
+                         first_differ=[f for f in firsts if f is not None]))
+        del e
+        torch.cuda.empty_cache()
+    return dict(rows=rows)
+
 
 def prompts(n, lo, hi, vocab, seed):
     rng = random.Random(seed)
@@ -572,6 +621,13 @@ def table(res) -> str:
         for r in o["rows"]:
             row(f"| {'on' if r['overlap'] else 'off'} | {r['bs']} | {r['step_ms']:.2f} | "
                 f"{r['forward_ms']:.2f} | {r['not_forward']:.1%} |")
+    if res.get("eight_bit", {}).get("rows"):
+        lines += ["", "8-bit weights (eager decode steps at context 512):", "",
+                  "| weights | MB | bs 1 ms | bs 8 ms | greedy = dtype's | first differ at |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["eight_bit"]["rows"]:
+            row(f"| {r['format']} | {r['weights_mb']:.0f} | {r['step_ms'][1]:.3f} | {r['step_ms'][8]:.3f} | "
+                f"{r.get('equal', '-')} | {r.get('first_differ', '-')} |")
     if res["errors"]:
         lines += ["", "Errors: " + "; ".join(f"{k}: {v.strip().splitlines()[-1]}"
                                              for k, v in res["errors"].items())]
@@ -664,6 +720,7 @@ def main(argv=None) -> int:
             section("decode_steps", lambda: decode_steps(engine, cfg, res["env"], dev))
         section("step_overhead", lambda: step_overhead(engine, cfg, vocab, dev))
         section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
+        section("eight_bit", lambda: eight_bit(engine, model_dir, cfg, vocab, dev))
     section("vision", lambda: vision_check(dev, model_dir + "-vl"))
     print(write())
     return 0 if res["correct"] and not res["errors"] else 1

@@ -195,6 +195,29 @@ def test_quantized_gguf_matches_transformers(tmp_path):
     assert sorted(checked) == ["down_proj", "embed_tokens", "gate_up_proj", "lm_head", "o_proj"]
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0])
+def test_quantized_weights_stay_codes_and_give_the_dequantized_outputs(tmp_path, qtype):
+    """Every matrix of a file in one type, kept as its codes (kernels/cpu_quant.c, the
+    default: quantization auto) or dequantized at load (none): the same logits, float for float, and
+    the same tokens, from the codes' bytes (tied embeddings: the lookup and the lm_head read
+    one copy)."""
+    hf_dir = build_tiny_model(str(tmp_path / "wide"), arch="llama", hidden_size=256, num_heads=4,
+                              num_kv_heads=2, intermediate_size=512, num_layers=2, tie_word_embeddings=True)
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), (qtype,))
+    codes, dense = Engine(path, kv_tokens=1024), Engine(path, kv_tokens=1024, quantization="none")
+    model = codes.runner.model
+    assert model.embed_tokens.packed is not None and model.tied_head is model.embed_tokens.packed
+    assert all(p.is_meta for n, p in model.named_parameters() if p.dim() == 2)
+    ratio = codes.runner.mem["weights"] / dense.runner.mem["weights"]
+    assert ratio < (0.3 if qtype == Q.Q8_0 else 0.2), ratio
+    batch = [codes.tokenizer(t)["input_ids"] for t in TEXTS]
+    for (s1, a), (s2, b) in zip(codes.prompt_logits(batch), dense.prompt_logits(batch)):
+        assert s1 == s2 and torch.equal(a, b)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert [i.samples[0].token_ids for i in codes.generate(prompts=TEXTS, sampling_params=params)] == \
+        [i.samples[0].token_ids for i in dense.generate(prompts=TEXTS, sampling_params=params)]
+
+
 def test_gguf_errors(tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such.gguf"):
         load_model(str(tmp_path / "no-such.gguf"))

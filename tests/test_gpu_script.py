@@ -28,8 +28,10 @@ def test_gpu_script_dry_run(tmp_path):
     assert {k["kernel"] for k in kernels} == {"decode_attention", "extend_attention", "store_kv", "lora_add",
                                               "decode_attention window 37", "extend_attention window 37",
                                               "decode_attention window 37 softcap 5",
-                                              "extend_attention window 37 softcap 5", "fused_moe"}
-    assert len(kernels) == 32 and all(k["ok"] for k in kernels)  # 28 attention rows, a LoRA and a MoE row a dtype
+                                              "extend_attention window 37 softcap 5", "fused_moe",
+                                              "w8_linear int8"}
+    # 28 attention rows, and a LoRA, a MoE and an int8 row a dtype (fp8 only on a GPU that has it)
+    assert len(kernels) == 34 and all(k["ok"] for k in kernels)
     g = res["greedy"]
     for pair in ("graphs_vs_eager", "graphs_vs_hf", "eager_vs_hf"):
         assert g[pair]["exact"] == g["prompts"] == 3, pair  # fp32 on a CPU: exact
@@ -42,6 +44,7 @@ def test_gpu_script_dry_run(tmp_path):
     assert o["same_tokens"] and [(r["overlap"], r["bs"]) for r in o["rows"]] == [
         (False, 2), (False, 3), (True, 2), (True, 3)]
     assert all(r["steps"] > 0 and 0 <= r["not_forward"] < 1 and r["forward_ms"] > 0 for r in o["rows"])
+    assert res["eight_bit"] == {"skipped": "8-bit weights run on a GPU"}
     tp = res["throughput"]
     assert tp["out_tokens"] > 0 and tp["ours_tok_s"] > 0 and tp["hf_tok_s"] > 0
     assert res["startup"]["graph_sizes"][0] == 1 and not res["startup"]["captured"]
@@ -85,6 +88,6 @@ def test_a_run_killed_midway_keeps_the_sections_it_finished(tmp_path):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     res = json.loads((out / "gpu.json").read_text())
-    assert len(res["kernels"]) == 32 and all(k["ok"] for k in res["kernels"])  # 28 attention, 2 LoRA, 2 MoE
+    assert len(res["kernels"]) == 34 and all(k["ok"] for k in res["kernels"])  # 28 attention, 2 LoRA, 2 MoE, 2 int8
     assert "vision" not in res and not res["correct"]  # cut short: not all checks ran
-    assert "32/32 ok" in (out / "gpu.md").read_text()
+    assert "34/34 ok" in (out / "gpu.md").read_text()

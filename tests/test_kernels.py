@@ -526,3 +526,26 @@ def test_fused_moe_equals_the_expert_loop(dtype):
         assert e == -1 and not len(pairs) or (experts.flatten()[pairs] == e).all()
     with torch.inference_mode():
         torch.testing.assert_close(moe.fused(x, weights, experts), moe.loop(x, weights, experts), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_w8_linear_equals_x_times_the_dequantized_weight(dtype, rows):
+    """The GPU's 8-bit weight matmul (kernels/w8_linear.py, in the interpreter): int8 codes
+    widened in registers, the row's scale applied after the sum over K (70 x 96: partial
+    tiles both ways), = x times the dequantized weight; the quantization is within half a
+    step of each row's scale, and fp8's (e4m3, 3 mantissa bits) within 1/16 of the value."""
+    from worker.engine.kernels import w8_linear
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 96, generator=g)
+    q = w8_linear.quantize(w, "int8")
+    assert q.q.dtype == torch.int8 and q.nbytes == 70 * 96 + 4 * 70
+    assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all()
+    f8 = w8_linear.quantize(w, "fp8")
+    assert ((f8.dequantize() - w).abs() <= w.abs() / 16 + f8.scale[:, None] * 2 ** -9).all()
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    bias = torch.randn(70, generator=g).to(dtype)
+    want = (x.float() @ q.dequantize().T + bias.float()).to(dtype)
+    torch.testing.assert_close(w8_linear.linear(x, q, bias), want, **TOL[dtype])
+    with pytest.raises(ValueError, match="weight format 'int4'"):
+        w8_linear.quantize(w, "int4")

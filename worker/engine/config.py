@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .image_urls import ImageSources
 
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -30,6 +31,14 @@ class EngineConfig:
     threads: int | None = _knob(None, "torch threads on a CPU (default: every core this process may "
                                       "use; N workers on one host: give each its share, cores / N, or "
                                       "they contend for the cores)", env="FANOUT_THREADS")
+    quantization: str = _knob("auto", "auto: a GGUF file's Q4_0, Q4_1, Q4_K and Q8_0 matrices "
+                                      "stay as their codes in memory, dequantized in the matmul "
+                                      "(on a CPU in float32 with the C kernels, without LoRA "
+                                      "adapters; the same outputs from a fraction of the bytes); "
+                                      "none: every weight dense in the dtype; int8 or fp8: on a "
+                                      "GPU, every linear layer's weight quantized at load to 8 bits "
+                                      "with a scale per output row (Triton; fp8 needs compute "
+                                      "capability 8.9+)")
     page_size: int = _knob(16, "tokens per KV cache page")
     kv_tokens: int | None = _knob(None, "KV cache size in tokens (default: on a GPU, "
                                         "kv_memory_fraction of the memory left after the weights, "
@@ -108,6 +117,9 @@ class EngineConfig:
             raise ValueError(f"kv_tokens: must be >= 1, got {self.kv_tokens}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: unknown {self.quantization!r} (use one of "
+                             f"{', '.join(QUANTIZATIONS)})")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r} "
                              f"(use 'auto', 'torch' or 'triton')")

@@ -25,10 +25,11 @@ from .batch import ForwardBatch, ForwardMode
 from .config import EngineConfig
 from .cuda_graph import CudaGraphRunner, batch_sizes
 from .host_memory import available_memory, keep_freed_blocks
-from .kernels import cpu_linear
+from .kernels import cpu_linear, cpu_quant
 from .kv_pool import KVPool, ReqToTokenPool
 from .lora import Loras, parse_specs
 from .models.loader import load_model, resolve_dtype
+from .models.llama import quantize_linears
 
 log = logging.getLogger("fanout.engine")
 MiB = 2**20
@@ -66,6 +67,24 @@ def cpu_kv_tokens(per_token: int, max_running: int, max_context: int,
     return cap, bound
 
 
+def check_eight_bit(fmt: str, device: torch.device) -> None:
+    """int8 / fp8 weights are the GPU's (Triton kernels); fp8 needs e4m3 (compute capability 8.9+)."""
+    if device.type != "cuda":
+        raise ValueError(f"quantization {fmt}: 8-bit weights run on a GPU; on a CPU, a GGUF file's "
+                         "Q8_0 and Q4 matrices stay quantized (quantization auto)")
+    if fmt == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization fp8: this GPU (compute capability "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no "
+                         "float8 e4m3; use int8")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The model's weights in memory: its parameters, or the codes the loader kept for them."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    kept = [getattr(m, "quant", None) or getattr(m, "packed", None) for m in model.modules()]
+    return dense + sum(k.nbytes for k in kept if hasattr(k, "nbytes"))
+
+
 class ModelRunner:
     """Owns the model and the attention backend; uses (never allocates from) the KV pools
     that `attach_kv` hands it."""
@@ -76,7 +95,17 @@ class ModelRunner:
         # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
         self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         self.cfg = cfg
-        self.model, self.config = load_model(model_path, self.dtype, self.device)
+        eight_bit = cfg.quantization in ("int8", "fp8")
+        if eight_bit:
+            check_eight_bit(cfg.quantization, self.device)
+        # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them
+        # (fp32, no adapters: those add to the dense products).
+        codes = (cfg.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
+                 and not cfg.lora_slots and cpu_linear.load() and cpu_quant.load())
+        self.model, self.config = load_model(model_path, self.dtype, self.device, quantized=codes)
+        if eight_bit:
+            n = quantize_linears(self.model, cfg.quantization)
+            log.info("weights: %d linear layers in %s, a scale per output row", n, cfg.quantization)
         c = self.config
         self.max_context = c.max_context
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, num_heads=c.num_heads,
@@ -92,7 +121,7 @@ class ModelRunner:
             else:
                 log.warning("CUDA graphs off: the %s attention backend cannot be captured",
                             type(self.attn).__name__)
-        self.mem = {"weights": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+        self.mem = {"weights": weight_bytes(self.model)}
         # LoRA adapters: slots reserved at their bound, the adapters given loaded now.
         self.loras: Loras | None = None
         if cfg.lora_slots:

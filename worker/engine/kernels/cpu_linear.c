@@ -13,82 +13,20 @@ The register tile follows the vector width of the target (cpu_vector.h; fanout_l
 tells the packer).
 Tasks are spread over torch's own OpenMP threads (loaded after torch: one libgomp).
 */
-#include "cpu_vector.h"
-
-/* The register tile: MR rows x NV vectors of accumulators. AVX-512 (32 registers): 8 x 3, 24
-   accumulators, 11 loads per 24 FMAs (SmolLM2's projections, Intel 2-core, vs 8 x 2: 287 ->
-   307 GFLOP/s at 2,048 rows, 224 -> 240 at 64 rows from memory). 16 registers: 6 x 2. */
-#if VL == 16
-#define MR 8
-#define NV 3
-#else
-#define MR 6
-#define NV 2
-#endif
-#define NR (NV * VL)
-#define AHEAD 32 /* k steps of prefetch */
-#define PASS_BYTES (512 * 1024) /* a pass's rows of x: to stay in L2 while every panel meets them */
+#include "cpu_tile.h"
 
 int64_t fanout_linear_nr(void) { return NR; }
-
-/* t[m][:] = rows 0..mr of x (row stride ldx) times one panel w [K][NR] */
-INLINE void tile(const int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                 float t[MR][NR]) {
-    vf a[MR][NV];
-    for (int m = 0; m < mr; m++)
-        for (int v = 0; v < NV; v++) a[m][v] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        for (int v = 0; v < NV; v++) __builtin_prefetch(w + (k + AHEAD) * NR + v * VL);
-        vf wv[NV];
-        for (int v = 0; v < NV; v++) wv[v] = load(w + k * NR + v * VL);
-        for (int m = 0; m < mr; m++) {
-            const float xv = x[m * ldx + k];
-            for (int v = 0; v < NV; v++) a[m][v] += xv * wv[v];
-        }
-    }
-    for (int m = 0; m < mr; m++)
-        for (int v = 0; v < NV; v++) store(t[m] + v * VL, a[m][v]);
-}
-
-/* tile() with mr a constant in each case, so its loops over rows unroll into registers */
-static void tile_rows(int mr, const float *x, int64_t ldx, const float *w, int64_t K,
-                      float t[MR][NR]) {
-#define CASE(R) case R: tile(R, x, ldx, w, K, t); break;
-    switch (mr) {
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5)
-#if MR > 6
-    CASE(6) CASE(7)
-#endif
-    default: tile(MR, x, ldx, w, K, t); break;
-    }
-#undef CASE
-}
-
-/* Rows of x a pass takes: a prefill chunk's x (2,048 rows x 576 columns, 4.7 MB) would be read
-   from L3 once per panel; in passes of a few hundred rows it is read from L2 (SmolLM2's
-   projections at 2,048 rows, Intel 2-core: ~255 -> ~295 GFLOP/s). A decode step is one pass. */
-static int64_t pass_rows(int64_t K) {
-    const int64_t r = PASS_BYTES / (K * (int64_t)sizeof(float));
-    return r < MR ? MR : r - r % MR;
-}
 
 /* One task's rows m0 .. m0 + mr of its NR columns (nc of them real): y = x W^T (+ bias) from
    the panel w, or, given the up panel wu beside the gate panel w, y = silu(x Wg^T) * (x Wu^T)
    (the MLP's first half, with no [M, 2N] product in between). */
 static void rows_out(int mr, const float *x, int64_t ldx, const float *w, const float *wu,
                      int64_t K, const float *bias, float *y, int64_t ldy, int64_t nc) {
-    float t[MR][NR], u[MR][NR];
+    float t[MR][NR] = {{0}}, u[MR][NR] = {{0}};
     tile_rows(mr, x, ldx, w, K, t);
-    if (wu) {
+    if (wu)
         tile_rows(mr, x, ldx, wu, K, u);
-        for (int m = 0; m < mr; m++)
-            for (int h = 0; h < NR; h += VL) {
-                const vf a = load(t[m] + h), b = load(u[m] + h);
-                store(t[m] + h, a / (1.0f + vexp(-a)) * b);
-            }
-    }
-    for (int m = 0; m < mr; m++)
-        for (int64_t j = 0; j < nc; j++) y[m * ldy + j] = bias ? t[m][j] + bias[j] : t[m][j];
+    tile_out(mr, t, wu ? u : NULL, bias, y, ldy, nc);
 }
 
 /* Every task: panel p of the weight (gate_up: gate panel p then up panel p) with every pass of

@@ -29,6 +29,12 @@ class Panels:
     n: int  # output columns
     k: int  # input columns
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self, bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul(x, self)
+
 
 _fns: dict[str, object] = {}
 

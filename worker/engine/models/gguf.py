@@ -3,7 +3,9 @@
 The config comes from the `{arch}.*` metadata, the tokenizer and chat template from the
 `tokenizer.*` metadata (converted by transformers), and the weights are dequantized at load
 time by the `gguf` package (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants, ...) into
-the engine's dtype. NAMES is the one place GGUF tensor names are mapped to ours.
+the engine's dtype, or, for the matrices of the types cpu_quant keeps quantized, read as
+their codes (the loader's choice). NAMES is the one place GGUF tensor names are mapped to
+ours.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Callable
 import gguf  # the package from PyPI (this module is worker.engine.models.gguf)
 import torch
 
+from ..kernels import cpu_quant
+from ..kernels.cpu_quant import Quantized
 from .config import ModelConfig
 from .registry import ARCHITECTURES, by_model_type
 
@@ -44,23 +48,37 @@ def _hf_name(name: str) -> str | None:
     return f"model.layers.{layer[1]}.{ours}.{kind}" if layer else f"{ours}.{kind}"
 
 
-def load(path: str) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]]]:
-    """(config, HF name -> function reading that weight as a float32 tensor)."""
+def load(path: str) -> tuple[ModelConfig, dict[str, Callable[[], torch.Tensor]],
+                             dict[str, Callable[[], Quantized]]]:
+    """(config, HF name -> function reading that weight as a float32 tensor, HF name ->
+    function reading it as its codes: the matrices of a type cpu_quant keeps quantized)."""
     reader = gguf.GGUFReader(path)  # memory-mapped: weights are read when asked for
     cfg = _config(path, reader, {t.name: t for t in reader.tensors})
 
+    def order(name: str, rows: int) -> torch.Tensor | None:
+        """llama.cpp's converter permutes Llama's q/k rows for its rope, which rotates adjacent
+        pairs; ours (and HF's) rotates the two halves of each head: the rows that undo it, as
+        HF does (None: as they are)."""
+        if cfg.architecture != "LlamaForCausalLM" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
     def read(t, name: str) -> torch.Tensor:
         w = _dequantize(t)
-        # llama.cpp's converter permutes Llama's q/k rows for its rope, which rotates adjacent
-        # pairs; ours (and HF's) rotates the two halves of each head: undo it, as HF does.
-        if cfg.architecture == "LlamaForCausalLM" and (".q_proj." in name or ".k_proj." in name):
-            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2)
-            w = w.reshape(-1, *w.shape[3:])
-        return w
+        index = order(name, w.shape[0])
+        return w if index is None else w[index]
 
-    return cfg, {hf: functools.partial(read, t, hf) for t in reader.tensors
-                 if (hf := _hf_name(t.name)) is not None}
+    def read_codes(t, name: str) -> Quantized:
+        n, k = (int(d) for d in reversed(t.shape))
+        w = cpu_quant.from_blocks(t.tensor_type.name, t.data, n, k)
+        index = order(name, n)
+        return w if index is None else w.rows(index)
+
+    named = [(t, hf) for t in reader.tensors if (hf := _hf_name(t.name)) is not None]
+    return (cfg, {hf: functools.partial(read, t, hf) for t, hf in named},
+            {hf: functools.partial(read_codes, t, hf) for t, hf in named
+             if t.tensor_type.name in cpu_quant.KINDS and len(t.shape) == 2})
 
 
 def _dequantize(t) -> torch.Tensor:

@@ -15,13 +15,13 @@ faster than oneDNN's prepacked ones at 8-64 rows).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_linear, cpu_pointwise
+from ..kernels import cpu_linear, cpu_pointwise, cpu_quant
 from .moe import MoE
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -29,24 +29,61 @@ if TYPE_CHECKING:  # config.py imports the registry, which imports this module
     from .config import ModelConfig
 
 
+class Packed(Protocol):
+    """A weight in a kernel's layout: the CPU's fp32 panels (cpu_linear.Panels) or quantized
+    codes' panels (cpu_quant.QPanels), or the GPU's 8-bit weight (w8_linear.W8)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-           packed: cpu_linear.Panels | None) -> torch.Tensor:
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return cpu_linear.linear(x, packed, bias)
+           packed: Packed | None) -> torch.Tensor:
+    return F.linear(x, weight, bias) if packed is None else packed.matmul(x, bias)
+
+
+def pack(weight: torch.Tensor, quant: cpu_quant.Quantized | None) -> Packed:
+    """A weight in its kernel's panels: its codes where the loader kept them (loader.py)."""
+    return cpu_linear.pack(weight) if quant is None else cpu_quant.pack(quant)
 
 
 class Linear(nn.Linear):
-    packed: cpu_linear.Panels | None = None
+    packed: Packed | None = None
+    quant: cpu_quant.Quantized | None = None  # its codes, where the loader kept them (its weight is then meta)
     lora = None  # its LoRA adapters' products (lora.Lora), when the engine serves adapters
 
     def pack(self) -> None:
-        self.packed = cpu_linear.pack(self.weight)
-        self.weight = None  # the packed copy replaces it
+        self.packed = pack(self.weight, self.quant)
+        self.weight = self.quant = None  # the packed copy replaces them
+
+    def quantize(self, fmt: str) -> None:
+        """The weight in 8 bits for the GPU's kernel (w8_linear.py), a scale per output row."""
+        from ..kernels import w8_linear  # Triton: imported where a GPU asks for it
+        self.packed = w8_linear.quantize(self.weight, fmt)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.packed)
         return out if self.lora is None else self.lora.add(x, out)
+
+
+def quantize_linears(model: nn.Module, fmt: str) -> int:
+    """Every Linear's weight in a model (of any family here; not the embeddings, nor a tied
+    lm_head, which stay one dense table; not the experts' stacked weights) in 8 bits, int8
+    or fp8, for the GPU's kernel. Returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in layers:
+        m.quantize(fmt)
+    return len(layers)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding, or its rows read from the panels of its codes (the loader kept them:
+    a GGUF's token embeddings, which a tied lm_head multiplies by)."""
+    quant: cpu_quant.Quantized | None = None
+    packed: cpu_quant.QPanels | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) if self.packed is None else cpu_quant.rows(ids, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +159,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up: cpu_linear.Panels | None = None  # both, packed (pack())
+        self.gate_up: Packed | None = None  # both, packed (pack())
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def pack(self) -> None:
@@ -132,12 +169,16 @@ class MLP(nn.Module):
         and with SiLU only (the kernel's activation)."""
         if self.gate_up_proj.bias is not None or self.act is not F.silu:
             return
-        self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
+        q, half = self.gate_up_proj.quant, self.gate_up_proj.out_features // 2
+        if q is None:
+            self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
+        else:
+            self.gate_up = cpu_quant.pack_gate_up(q.rows(slice(0, half)), q.rows(slice(half, None)))
         self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(cpu_linear.silu_mul(x, self.gate_up))
+            return self.down_proj(self.gate_up.silu_mul(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -175,12 +216,12 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta,
                                     cfg.rope_scaling, device=device,
                                     mrope_section=cfg.mrope_section)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head: cpu_linear.Panels | None = None  # packed copy of the tied embeddings
+        self.tied_head: Packed | None = None  # packed copy of the tied embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """input_ids [T], positions [T] (or [3, T] under M-RoPE) -> final-normed hidden
@@ -205,7 +246,8 @@ class CausalLM(nn.Module):
     def pack_weights(self, fuse_mlp: bool = True) -> None:
         """Every matmul from the kernel's panels (see the module docstring; the caller checks
         cpu_linear.load()); tied embeddings get a packed copy for the lm_head, the lookup
-        keeps the dense table. The norms, RoPE and K/V stores go through cpu_pointwise where
+        keeps the dense table (quantized: both read the panels of the codes the loader kept;
+        it checked cpu_quant.load()). The norms, RoPE and K/V stores go through cpu_pointwise where
         it builds (not under qk_norm, which comes between the projection and RoPE).
         `fuse_mlp` False keeps gate and up one plain product (LoRA adapters add to each)."""
         if cpu_pointwise.load():
@@ -218,5 +260,8 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack()
+        embed = self.embed_tokens
+        if embed.quant is not None:  # the lookup reads the panels too: no dense table
+            embed.packed, embed.weight, embed.quant = cpu_quant.pack(embed.quant), None, None
         if self.cfg.tie_word_embeddings:
-            self.tied_head = cpu_linear.pack(self.embed_tokens.weight)
+            self.tied_head = embed.packed or cpu_linear.pack(embed.weight)

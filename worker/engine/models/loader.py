@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..kernels.cpu_quant import Quantized
 from . import gguf
 from .config import ModelConfig
 from .registry import architecture
@@ -56,11 +57,15 @@ def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False) -> tuple[nn.Module, ModelConfig]:
+def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False,
+               quantized: bool = False) -> tuple[nn.Module, ModelConfig]:
     """`base_only`: the transformer without its lm_head (an embedding model's hidden states:
-    its checkpoint may hold the base model alone, under AutoModel's names, no "model.")."""
+    its checkpoint may hold the base model alone, under AutoModel's names, no "model.").
+    `quantized`: a GGUF file's matrices of the types cpu_quant keeps quantized are read as
+    their codes, set on their module as `quant` (a Linear's, or the token embeddings'), and
+    the parameter is left on the meta device; the caller packs them (CausalLM.pack_weights)."""
     path = resolve_model_path(path)
-    with _checkpoint(path) as (cfg, tensors):
+    with _checkpoint(path) as (cfg, tensors, codes):
         dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
         arch = architecture(cfg.architecture)
         if arch.renames:
@@ -78,9 +83,19 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False) -
         if missing:
             raise ValueError(f"checkpoint {path} is missing {len(missing)} weight(s): "
                              f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
-        state = {}
+        state, quant = {}, {}
         for name, meta in expected.items():
-            parts = [tensors[src]() for src in arch.checkpoint_names(name, experts)]
+            sources = arch.checkpoint_names(name, experts)
+            if quantized and meta.dim() == 2 and all(src in codes for src in sources):
+                parts = [codes[src]() for src in sources]
+                if len({p.kind for p in parts}) == 1:  # a fused projection's parts of one type
+                    quant[name] = parts[0] if len(parts) == 1 else Quantized.cat(parts)
+                    if quant[name].shape != tuple(meta.shape):
+                        raise ValueError(f"checkpoint weight for {name!r} has shape {quant[name].shape}, "
+                                         f"its config implies {tuple(meta.shape)}")
+                    state[name] = meta  # no dense copy: the codes stand for it
+                    continue
+            parts = [tensors[src]() for src in sources]
             w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if meta.dim() == 3 and w.numel() == meta.numel():  # experts, stacked (moe.py)
                 w = w.view(meta.shape)
@@ -89,6 +104,8 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False) -
                                  f"its config implies {tuple(meta.shape)}")
             state[name] = w.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    for name, w in quant.items():
+        model.get_submodule(name.rpartition(".")[0]).quant = w
     model.requires_grad_(False)
     return model.eval(), cfg
 
@@ -103,7 +120,8 @@ def load_tokenizer(path: str):
 
 @contextmanager
 def _checkpoint(path: str):
-    """(config, HF weight name -> function reading that tensor) of a GGUF file or a folder."""
+    """(config, HF weight name -> function reading that tensor, HF weight name -> function
+    reading its codes where it is quantized: GGUF's) of a GGUF file or a folder."""
     if gguf.is_gguf(path):
         yield gguf.load(path)
         return
@@ -113,7 +131,7 @@ def _checkpoint(path: str):
         files = {f: stack.enter_context(safe_open(os.path.join(path, f), framework="pt"))
                  for f in sorted(set(weight_map.values()))}
         yield cfg, {name: functools.partial(files[f].get_tensor, name)
-                    for name, f in weight_map.items()}
+                    for name, f in weight_map.items()}, {}
 
 
 def _weight_map(path: str) -> dict[str, str]:

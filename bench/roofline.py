@@ -1,0 +1,124 @@
+"""Small-batch decode against the memory's roofline: at batch 1-8 a decode step reads every
+weight of the model, so its floor is the weights' bytes over the bandwidth the machine streams.
+
+    python bench/roofline.py                      # the demo GGUF (SmolLM2-135M, Q4_1), batches 1,2,4,8
+    python bench/roofline.py --batches 1,8 --tokens 64 --repeats 3
+
+Two engines on the same file, one after the other: its weights kept quantized (the default:
+kernels/cpu_quant.c) and dequantized to fp32 (`--quantization none`). For each batch size, that many
+requests of 16 prompt tokens decode --tokens new tokens (greedy, ignore_eos); the steps
+timed are those in which every request decodes (after the prefill), best of --repeats.
+
+A step reads the weights in memory (ModelRunner.mem["weights"]) and the batch's KV cache
+(the tokens it holds x bytes per token); bytes / step time is the rate it reached. The
+machine's rate is measured in the same run, before and after the engines: a read pass over a
+1 GiB float32 tensor (torch's sum on every thread) and a copy (bytes read + written), best of
+5. The roofline: steps/s = read bandwidth / bytes per step; the report gives the measured
+steps/s, tokens/s and the share of the roofline.
+
+Results: stdout and bench/out/roofline.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.out_file import save  # noqa: E402
+from worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from worker.engine.kv_pool import KVPool  # noqa: E402
+from worker.engine.models.demo import fetch_demo_model  # noqa: E402
+
+GB = 1e9
+
+
+def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+    """Read and copy rates of this machine, GB/s (best of repeats)."""
+    a = torch.ones(int(gib * 2**30) // 4)
+    b = torch.empty_like(a)
+    read = copy = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        read = max(read, a.numel() * 4 / (time.perf_counter() - t) / GB)
+        t = time.perf_counter()
+        b.copy_(a)
+        copy = max(copy, 2 * a.numel() * 4 / (time.perf_counter() - t) / GB)
+    return {"read_gb_s": round(read, 1), "copy_gb_s": round(copy, 1)}
+
+
+def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
+    """(best seconds per all-decode step, KV tokens held at the middle of the run)."""
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.runner.config.vocab_size
+    items = [(i, None, torch.randint(100, vocab, (16,), generator=g).tolist()) for i in range(batch)]
+    engine.add("roofline", items, SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True))
+    times, steps = [], 0
+    while engine.has_work():
+        t = time.perf_counter()
+        events = engine.step()
+        dt = time.perf_counter() - t
+        steps += 1
+        if steps > 2 and len(events) == batch and not any(e.finished for e in events):
+            times.append(dt)
+    times.sort()
+    return times[len(times) // 2], 16 + tokens // 2
+
+
+def run_engine(path: str, quantized: bool, batches: list[int], tokens: int, repeats: int) -> list[dict]:
+    engine = Engine(path, config=EngineConfig(device="cpu", quantization="auto" if quantized else "none",
+                                                  max_running=max(batches)))
+    c = engine.runner.config
+    per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+    weights = engine.runner.mem["weights"]
+    decode(engine, 2, 8)  # warm-up
+    rows = []
+    for b in batches:
+        best, held = min(decode(engine, b, tokens) for _ in range(repeats))
+        step_bytes = weights + b * held * per_token
+        rows.append({"format": "quantized" if quantized else "fp32", "batch": b, "weights_mb": round(weights / 1e6, 1),
+                     "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(best * 1e3, 2),
+                     "tok_s": round(b / best, 1), "gb_s": round(step_bytes / best / GB, 1)})
+        print(rows[-1], flush=True)
+    del engine
+    gc.collect()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    path = args.model or fetch_demo_model()
+    batches = [int(b) for b in args.batches.split(",")]
+    before = bandwidth()
+    print("machine before:", before, flush=True)
+    rows = []
+    for quantized in (True, False):
+        rows += run_engine(path, quantized, batches, args.tokens, args.repeats)
+    after = bandwidth()
+    print("machine after:", after, flush=True)
+    read = max(before["read_gb_s"], after["read_gb_s"])
+    print(f"\n{'format':>9} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
+          f"{'roofline steps/s':>16} {'of roofline':>11}")
+    for r in rows:
+        roof = read * GB / (r["step_mb"] * 1e6)
+        r["roofline_steps_s"], r["of_roofline"] = round(roof, 1), round(r["gb_s"] / read, 3)
+        print(f"{r['format']:>9} {r['batch']:>5} {r['step_mb']:>8} {r['step_ms']:>8} {r['tok_s']:>7} "
+              f"{r['gb_s']:>6} {r['roofline_steps_s']:>16} {r['of_roofline']:>11.0%}")
+    save("roofline", {"machine": {"before": before, "after": after, "read_gb_s": read},
+                      "tokens": args.tokens, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
