@@ -92,21 +92,22 @@ def run_engine(path: str, quantized: bool, batches: list[int], tokens: int, repe
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth test's tensor")
+    args = ap.parse_args(argv)
     path = args.model or fetch_demo_model()
     batches = [int(b) for b in args.batches.split(",")]
-    before = bandwidth()
+    before = bandwidth(args.gib)
     print("machine before:", before, flush=True)
     rows = []
     for quantized in (True, False):
         rows += run_engine(path, quantized, batches, args.tokens, args.repeats)
-    after = bandwidth()
+    after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
     read = max(before["read_gb_s"], after["read_gb_s"])
     print(f"\n{'format':>9} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
@@ -118,6 +119,7 @@ def main() -> None:
               f"{r['gb_s']:>6} {r['roofline_steps_s']:>16} {r['of_roofline']:>11.0%}")
     save("roofline", {"machine": {"before": before, "after": after, "read_gb_s": read},
                       "tokens": args.tokens, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

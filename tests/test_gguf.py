@@ -218,6 +218,18 @@ def test_quantized_weights_stay_codes_and_give_the_dequantized_outputs(tmp_path,
         [i.samples[0].token_ids for i in dense.generate(prompts=TEXTS, sampling_params=params)]
 
 
+def test_the_roofline_benchmark_runs(tmp_path):
+    """bench/roofline.py at small sizes on a Q4_1 file: both formats, each step's bytes and rate."""
+    from bench import roofline
+    hf_dir = build_tiny_model(str(tmp_path / "wide"), arch="llama", hidden_size=256, num_heads=4,
+                              num_kv_heads=2, intermediate_size=512, num_layers=2)
+    path = write_gguf(hf_dir, str(tmp_path / "q4_1.gguf"), (Q.Q4_1,))
+    rows = roofline.main(["--model", path, "--batches", "1,2", "--tokens", "6", "--repeats", "1", "--gib", "0.05"])
+    assert [(r["format"], r["batch"]) for r in rows] == [("quantized", 1), ("quantized", 2), ("fp32", 1), ("fp32", 2)]
+    assert rows[0]["weights_mb"] < rows[2]["weights_mb"] / 4
+    assert all(r["step_mb"] >= r["weights_mb"] and r["step_ms"] > 0 and r["tok_s"] > 0 and "of_roofline" in r for r in rows)
+
+
 def test_gguf_errors(tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such.gguf"):
         load_model(str(tmp_path / "no-such.gguf"))
