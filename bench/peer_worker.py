@@ -4,7 +4,8 @@ the generation.
 
     python bench/peer_worker.py ENGINE MODEL [--threads N]
 
-ENGINE is fanout (fanout-overlap: with overlap_schedule), transformers, vllm or llamacpp
+ENGINE is fanout (fp32; fanout-overlap: with overlap_schedule; fanout-codes: the file's
+quantized matrices kept as codes), transformers, vllm or llamacpp
 (llamacpp-plain: its weights not repacked); MODEL the GGUF file (fanout, llamacpp) or
 the fp32 Hugging Face folder (transformers, vllm). Protocol, one JSON object a line:
 stdin {"prompts": [[ids], ...], "max_new_tokens": M, "n": N, "temperature": T, "seed": S};
@@ -58,6 +59,7 @@ def peak_rss_mb() -> float:
 
 class Fanout:
     overlap = False
+    quantization = "none"  # fp32 weights, dequantized from the file at load
 
     def __init__(self, model: str, threads: int):
         sys.path.insert(0, ROOT)
@@ -65,7 +67,8 @@ class Fanout:
         from worker.engine import Engine, SamplingParams, freeze_gc
         torch.set_num_threads(threads)
         self.sp = SamplingParams
-        self.engine = Engine(model, device="cpu", dtype="float32", overlap_schedule=self.overlap)
+        self.engine = Engine(model, device="cpu", dtype="float32", overlap_schedule=self.overlap,
+                             quantization=self.quantization)
         freeze_gc()  # as the worker does
 
     def run(self, prompts, m, n, temperature, seed):
@@ -77,6 +80,12 @@ class Fanout:
 
 class FanoutOverlap(Fanout):
     overlap = True
+
+
+class FanoutCodes(Fanout):
+    """The GGUF's quantized matrices kept as their codes (kernels/cpu_quant.c): the same
+    outputs as fp32, from a fifth of the bytes."""
+    quantization = "auto"
 
 
 class Transformers:
@@ -209,7 +218,7 @@ class LlamaCppPlain(LlamaCpp):
     repack = False
 
 
-ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "transformers": Transformers,
+ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "fanout-codes": FanoutCodes, "transformers": Transformers,
            "vllm": Vllm, "llamacpp": LlamaCpp, "llamacpp-plain": LlamaCppPlain}
 
 

@@ -151,7 +151,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(hf)
     me = sys.executable
-    specs = [("Fanout, fp32", me, "fanout", gguf)]
+    specs = [("Fanout, fp32", me, "fanout", gguf), ("Fanout, Q4_1 codes (Q8_0 embeddings)", me, "fanout-codes", gguf)]
     if args.overlap:
         specs.append(("Fanout, fp32, overlap", me, "fanout-overlap", gguf))
     if not args.no_transformers:

@@ -209,7 +209,7 @@ def test_quantized_weights_stay_codes_and_give_the_dequantized_outputs(tmp_path,
     assert model.embed_tokens.packed is not None and model.tied_head is model.embed_tokens.packed
     assert all(p.is_meta for n, p in model.named_parameters() if p.dim() == 2)
     ratio = codes.runner.mem["weights"] / dense.runner.mem["weights"]
-    assert ratio < (0.3 if qtype == Q.Q8_0 else 0.2), ratio
+    assert ratio < (0.33 if qtype == Q.Q8_0 else 0.2), ratio  # 40 or 24 bytes per 32 weights, not 128
     batch = [codes.tokenizer(t)["input_ids"] for t in TEXTS]
     for (s1, a), (s2, b) in zip(codes.prompt_logits(batch), dense.prompt_logits(batch)):
         assert s1 == s2 and torch.equal(a, b)

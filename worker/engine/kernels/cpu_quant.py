@@ -4,8 +4,8 @@ dequantized a piece at a time in the kernel.
 
 Why: a decode step reads every weight of the model, so at small batches its time is the
 weights' bytes over the memory's bandwidth. In fp32 SmolLM2-135M is 540 MB; its Q4_1 file's
-codes and scales here are ~115 MB (Q4_1: 24 bytes per 32 weights, the scales kept as
-floats; Q8_0: 36). The weights the kernel computes are gguf's dequantization's to the bit, so
+codes and scales here are ~115 MB (Q4_1: 24 bytes per 32 weights, a scale and an offset
+kept as floats; Q8_0: 40). The weights the kernel computes are gguf's dequantization's to the bit, so
 the engine's outputs equal the fp32 path's on the same file (tests/test_quant.py).
 
 `Quantized` is a weight as read from the file, row by row (the loader permutes and joins
@@ -21,7 +21,7 @@ import torch
 from . import cpu_build
 from .cpu_build import I64, P
 
-# GGUF's block types kept quantized -> the kernel's kind (cpu_quant.c: how codes become weights).
+# GGUF's block types kept quantized -> their kind here (how codes become weights: Quantized).
 KINDS = {"Q4_1": 0, "Q4_K": 0, "Q4_0": 1, "Q8_0": 2}
 GROUP = 32  # weights per scale
 
@@ -40,10 +40,18 @@ class Quantized:
         return tuple(self.q.shape)
 
     @property
+    def bits(self) -> int:
+        return 8 if self.kind == 2 else 4
+
+    @property
     def nbytes(self) -> int:
-        """Its size in the kernel's panels (4-bit codes two to a byte; scales float32)."""
-        codes = self.q.numel() if self.kind == 2 else self.q.numel() // 2
-        return codes + 4 * (self.d.numel() + (0 if self.m is None else self.m.numel()))
+        """Its size in the kernel's panels (4-bit codes two to a byte; a scale and an offset,
+        float32, per 32 weights)."""
+        return self.q.numel() * self.bits // 8 + 8 * self.d.numel()
+
+    def offset(self) -> torch.Tensor:
+        """o in the kernel's weight q * d + o (cpu_quant.c), its codes unsigned: exact."""
+        return {0: self.m, 1: -8 * self.d, 2: -128 * self.d}[self.kind]
 
     def rows(self, index: torch.Tensor) -> Quantized:
         return Quantized(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
@@ -108,8 +116,8 @@ def _quantized(kind: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) ->
 @dataclass(slots=True)
 class QPanels:
     """A quantized weight [n, k] in the kernel's panels (cpu_quant.c): codes [panels, ...]
-    and scales [panels, k / 32, S, NR] (gate/up: their panels in turn)."""
-    kind: int
+    and scales [panels, k / 32, 2, NR] (gate/up: their panels in turn)."""
+    bits: int
     codes: torch.Tensor
     scales: torch.Tensor
     n: int
@@ -139,7 +147,7 @@ def load() -> bool:
 
 
 def _panels(w: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [panels, ...], scales [panels, k / 32, S, NR]); the last panel's missing
+    """(codes [panels, ...], scales [panels, k / 32, 2, NR]: d, o); the last panel's missing
     columns zero."""
     nr = _fns["nr"]()
     n, k = w.shape
@@ -158,24 +166,23 @@ def _panels(w: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         pairs = q.view(-1, nr, k // 2, 2)
         codes = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()  # [panels, k/2, NR]
-    parts = [w.d] if w.m is None else [w.d, w.m]
-    scales = torch.stack([pad(s).view(-1, nr, k // GROUP) for s in parts], dim=2)  # [panels, NR, S, G]
+    scales = torch.stack([pad(s).view(-1, nr, k // GROUP) for s in (w.d, w.offset())], dim=2)  # [panels, NR, 2, G]
     return codes, scales.permute(0, 3, 2, 1).contiguous()
 
 
 def pack(w: Quantized) -> QPanels:
     """A quantized weight [n, k] (call load() first)."""
-    return QPanels(w.kind, *_panels(w), *w.shape)
+    return QPanels(w.bits, *_panels(w), *w.shape)
 
 
 def pack_gate_up(gate: Quantized, up: Quantized) -> QPanels:
     """The MLP's gate and up, their panels interleaved for `silu_mul`."""
-    if gate.kind != up.kind:
-        raise ValueError("cpu_quant: gate and up of different kinds")
+    if gate.bits != up.bits:
+        raise ValueError("cpu_quant: gate and up of different widths")
     (gc, gs), (uc, us) = _panels(gate), _panels(up)
     codes = torch.stack([gc, uc], dim=1).flatten(0, 1).contiguous()
     scales = torch.stack([gs, us], dim=1).flatten(0, 1).contiguous()
-    return QPanels(gate.kind, codes, scales, *gate.shape)
+    return QPanels(gate.bits, codes, scales, *gate.shape)
 
 
 def _rows(x: torch.Tensor, w: QPanels) -> torch.Tensor:
@@ -188,7 +195,7 @@ def linear(x: torch.Tensor, w: QPanels, bias: torch.Tensor | None = None) -> tor
     """x [m, k] float32 -> x W^T (+ bias) [m, n]."""
     x = _rows(x, w)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _fns["linear"](w.kind, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
+    _fns["linear"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                    w.scales.data_ptr(), w.n, None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
     return y
 
@@ -197,7 +204,7 @@ def silu_mul(x: torch.Tensor, w: QPanels) -> torch.Tensor:
     """x [m, k] float32 -> silu(x Wg^T) * (x Wu^T) [m, n], w from pack_gate_up."""
     x = _rows(x, w)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _fns["silu_mul"](w.kind, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
+    _fns["silu_mul"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                      w.scales.data_ptr(), w.n, y.data_ptr(), w.n)
     return y
 
@@ -208,6 +215,6 @@ def rows(ids: torch.Tensor, w: QPanels) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.n):
         raise IndexError(f"cpu_quant: row ids must lie in [0, {w.n})")
     out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
-    _fns["rows"](w.kind, w.codes.data_ptr(), w.scales.data_ptr(), w.k, ids.data_ptr(), ids.numel(),
+    _fns["rows"](w.bits, w.codes.data_ptr(), w.scales.data_ptr(), w.k, ids.data_ptr(), ids.numel(),
                  out.data_ptr())
     return out.view(*ids.shape, w.k)
