@@ -6,7 +6,8 @@
 
 PY is the python of a venv that has the peer (they are big, and vLLM pins its own torch):
 docs/benchmarks.md, "Peers on the same CPU", says how to build both. Model:
-SmolLM2-135M-Instruct, the demo GGUF. Fanout loads the GGUF as shipped (dequantized to fp32);
+SmolLM2-135M-Instruct, the demo GGUF. Fanout loads the GGUF as shipped, twice: dequantized
+to fp32, and with its Q4_1 matrices and Q8_0 embeddings kept as codes (the same outputs);
 transformers and vLLM an fp32 Hugging Face folder written from it (by transformers' GGUF
 loader); llama.cpp both an F32 GGUF written from the dequantized weights and the Q4_1 file as
 shipped. Every engine gets the same prompt token ids (chats rendered by the model's template
@@ -15,6 +16,10 @@ here, once). Workloads:
   chats16   16 chats (~40-450 tokens), 48 new tokens each, greedy
   n8        1 chat of ~340 tokens, n = 8 samples at T = 0.8, 64 new tokens each
   batch64   64 chats (~40-450 tokens), 128 new tokens each, greedy
+  prefix256 256 chats under one few-shot system prompt (24 worked examples, ~540 tokens),
+            each its own sentence to label, 16 new tokens each, greedy
+  long4     4 chats (~40-450 tokens), 512 new tokens each at T = 0.8: a small batch of long
+            sampled generations, where decode reads every weight each step
 
 A llama.cpp whose first run crashes with its weights repacked (its AMX path on a virtualized
 Xeon: SIGSEGV, ggml-org/llama.cpp#20824) runs again with them as stored, named so in the
@@ -47,13 +52,26 @@ WORKLOADS = {  # name: (prompts, new tokens, n, temperature)
     "chats16": ("mixed16", 48, 1, 0.0),
     "n8": ("long1", 64, 8, 0.8),
     "batch64": ("mixed64", 128, 1, 0.0),
+    "prefix256": ("fewshot256", 16, 1, 0.0),
+    "long4": ("mixed4", 512, 1, 0.8),
 }
+# The few-shot prefix of prefix256: worked examples before each item's own question.
+SHOTS = 24
+TOPICS = ["budget", "weather", "housing", "culture", "engineering", "farming", "transport", "education"]
 MODELS = os.path.join(OUT, "peers")
 
 
 def prompts(tok, kind: str) -> list[list[int]]:
     if kind.startswith("mixed"):
         return [ids for ids, _ in real_a(tok, random.Random(0), int(kind[5:]))]
+    if kind.startswith("fewshot"):
+        shots = "\n\n".join(f"Sentence: {SENTENCES[i % len(SENTENCES)]}\nTopic: {TOPICS[i % len(TOPICS)]}"
+                            for i in range(SHOTS))
+        system = f"Name the topic of each sentence in one word, as in these examples.\n\n{shots}"
+        rng = random.Random(0)
+        return [chat(tok, [{"role": "system", "content": system},
+                           {"role": "user", "content": f"Sentence: {rng.choice(SENTENCES)} ({i})"}])
+                for i in range(int(kind[7:]))]
     text = " ".join(SENTENCES[i % len(SENTENCES)] for i in range(22))
     return [chat(tok, [{"role": "user", "content": f"{text}\n\nSummarize the text above."}])]
 

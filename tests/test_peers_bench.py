@@ -38,3 +38,14 @@ def test_peer_workers_run_the_same_work_and_agree(peers):
     assert hf["ratio"] == pytest.approx(runs["g"]["Fanout, fp32"][0]["seconds"]
                                         / runs["g"]["transformers, fp32"][0]["seconds"])
     assert "equal_to_transformers" not in table["s"]["Fanout, fp32"]
+
+
+def test_the_few_shot_workload_shares_one_long_prefix(llama_path):
+    """prefix256's items (here 8): distinct, each the same few-shot system prompt and then
+    its own sentence, so a prefix cache holds the examples once."""
+    from bench.peers import prompts
+    from worker.engine.models.loader import load_tokenizer
+    items = prompts(load_tokenizer(llama_path), "fewshot8")
+    assert len(items) == 8 and len({tuple(p) for p in items}) == 8
+    common = min(next((i for i, (a, b) in enumerate(zip(p, items[0])) if a != b), len(p)) for p in items[1:])
+    assert common > 0.8 * min(map(len, items)), (common, [len(p) for p in items])
