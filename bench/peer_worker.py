@@ -132,7 +132,7 @@ class LlamaCpp:
     33 s for vLLM); n > 1: one unified cache, the prompt prefilled once and the sequence
     copied (llama_memory_seq_cp). Sampling in C (EOS masked by a logit bias, then greedy, or
     temperature and a seeded draw)."""
-    CTX, BATCH, SEQS = 32768, 2048, 64
+    CTX, BATCH, SEQS = 65536, 2048, 64  # 1,024 cells a sequence: long4 is 348 + 512 tokens
     repack = True  # llama.cpp's extra buffer types: weights repacked for the CPU (AMX and the like)
 
     def __init__(self, model: str, threads: int):
