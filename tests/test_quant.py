@@ -60,6 +60,8 @@ def test_gate_and_up_in_one_call(type_name):
     x = torch.randn(13, k)
     want = cpu_linear.silu_mul(x, cpu_linear.pack_gate_up(gate.dequantize(), up.dequantize()))
     assert torch.equal(cpu_quant.silu_mul(x, cpu_quant.pack_gate_up(gate, up)), want)
+    with pytest.raises(ValueError, match=r"cpu_quant: x \(13, 128\) torch.float32, weight takes 256 float32 columns"):
+        cpu_quant.linear(x[:, :128], cpu_quant.pack(gate))
 
 
 @pytest.mark.parametrize("type_name", TYPES)

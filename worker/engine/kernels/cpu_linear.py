@@ -67,15 +67,17 @@ def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> Panels:
     return Panels(both.flatten(0, 1).contiguous(), *gate.shape)
 
 
-def _rows(x: torch.Tensor, w: Panels) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k:
-        raise ValueError(f"cpu_linear: x {tuple(x.shape)} {x.dtype}, weight takes {w.k} float32 columns")
+def matmul_input(x: torch.Tensor, k: int, kernel: str = "cpu_linear") -> torch.Tensor:
+    """x as the CPU matmul kernels take it (this one's and cpu_quant's): float32 [m, k], each
+    row contiguous; a ValueError naming the kernel otherwise."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{kernel}: x {tuple(x.shape)} {x.dtype}, weight takes {k} float32 columns")
     return x if x.stride(1) == 1 else x.contiguous()
 
 
 def linear(x: torch.Tensor, w: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] float32 -> x W^T (+ bias) [m, n]."""
-    x = _rows(x, w)
+    x = matmul_input(x, w.k)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["linear"](x.data_ptr(), x.shape[0], w.k, x.stride(0), w.data.data_ptr(), w.n,
                    None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
@@ -84,7 +86,7 @@ def linear(x: torch.Tensor, w: Panels, bias: torch.Tensor | None = None) -> torc
 
 def silu_mul(x: torch.Tensor, w: Panels) -> torch.Tensor:
     """x [m, k] float32 -> silu(x Wg^T) * (x Wu^T) [m, n], w from pack_gate_up."""
-    x = _rows(x, w)
+    x = matmul_input(x, w.k)
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["silu_mul"](x.data_ptr(), x.shape[0], w.k, x.stride(0), w.data.data_ptr(), w.n,
                      y.data_ptr(), w.n)

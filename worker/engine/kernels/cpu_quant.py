@@ -20,6 +20,7 @@ import torch
 
 from . import cpu_build
 from .cpu_build import I64, P
+from .cpu_linear import matmul_input
 
 # GGUF's block types kept quantized -> their kind here (how codes become weights: Quantized).
 KINDS = {"Q4_1": 0, "Q4_K": 0, "Q4_0": 1, "Q8_0": 2}
@@ -185,15 +186,9 @@ def pack_gate_up(gate: Quantized, up: Quantized) -> QPanels:
     return QPanels(gate.bits, codes, scales, *gate.shape)
 
 
-def _rows(x: torch.Tensor, w: QPanels) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k:
-        raise ValueError(f"cpu_quant: x {tuple(x.shape)} {x.dtype}, weight takes {w.k} float32 columns")
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
 def linear(x: torch.Tensor, w: QPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] float32 -> x W^T (+ bias) [m, n]."""
-    x = _rows(x, w)
+    x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["linear"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                    w.scales.data_ptr(), w.n, None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
@@ -202,7 +197,7 @@ def linear(x: torch.Tensor, w: QPanels, bias: torch.Tensor | None = None) -> tor
 
 def silu_mul(x: torch.Tensor, w: QPanels) -> torch.Tensor:
     """x [m, k] float32 -> silu(x Wg^T) * (x Wu^T) [m, n], w from pack_gate_up."""
-    x = _rows(x, w)
+    x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["silu_mul"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                      w.scales.data_ptr(), w.n, y.data_ptr(), w.n)
