@@ -392,9 +392,10 @@ def cancel(redis, job_id: str, settings: Settings) -> str:
     # after the close would outlive the job's other keys, which the close gave their TTL.
     redis.eval(_FLAG, 2, keys.closed(job_id), keys.cancel(job_id), settings.job_timeout + settings.result_ttl)
     if redis.hlen(keys.running(job_id)):
-        model, base, priority = map(_text, redis.hmget(keys.info(job_id), "model", "base", "priority"))
+        fields = ("model", "base", "priority")
+        info = dict(zip(fields, map(_text, redis.hmget(keys.info(job_id), fields))))
         # Its workers act now, not at their next send (a full engine carries its writes).
-        redis.publish(keys.wake(shards.queue_of({"model": model, "base": base, "priority": priority})), job_id)
+        redis.publish(keys.wake(shards.queue_of(info)), job_id)
         return "running"
     publisher.close(redis, job_id, "canceled", settings.result_ttl,
                     **shards.totals(redis, job_id))

@@ -72,11 +72,10 @@ class Member(BaseWorker):
 
     def subscribe(self) -> None:
         """rq's, also on its queues' wake channels (keys.wake), with its listener thread
-        waking every second, not every 60. redis-py's
-        PubSubWorkerThread.stop() (8.x) waits for the thread, which reads its stop flag only
-        between reads: when the unsubscribe's reply came before the flag was cleared (the loop
-        descheduled a moment, as under load), a shutdown waited up to a minute, past a pod's
-        grace period and the tests' 30 s."""
+        waking every second, not every 60. redis-py's PubSubWorkerThread.stop() (8.x) waits
+        for the thread, which reads its stop flag only between reads: when the unsubscribe's
+        reply came before the flag was cleared (the loop descheduled a moment, as under
+        load), a shutdown waited up to a minute, past a pod's grace period and the tests' 30 s."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         channels = {keys.wake(q.name): self._on_wake for q in self.queues}

@@ -82,7 +82,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """The model's weights in memory: its parameters, or the codes the loader kept for them."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     kept = [getattr(m, "quant", None) or getattr(m, "packed", None) for m in model.modules()]
-    return dense + sum(k.nbytes for k in kept if hasattr(k, "nbytes"))
+    return dense + sum(k.nbytes for k in kept if k is not None)
 
 
 class ModelRunner:

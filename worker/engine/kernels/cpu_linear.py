@@ -29,6 +29,10 @@ class Panels:
     n: int  # output columns
     k: int  # input columns
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * 4
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self, bias)
 

@@ -86,23 +86,22 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False,
         state, quant = {}, {}
         for name, meta in expected.items():
             sources = arch.checkpoint_names(name, experts)
-            if quantized and meta.dim() == 2 and all(src in codes for src in sources):
-                parts = [codes[src]() for src in sources]
-                if len({p.kind for p in parts}) == 1:  # a fused projection's parts of one type
-                    quant[name] = parts[0] if len(parts) == 1 else Quantized.cat(parts)
-                    if quant[name].shape != tuple(meta.shape):
-                        raise ValueError(f"checkpoint weight for {name!r} has shape {quant[name].shape}, "
-                                         f"its config implies {tuple(meta.shape)}")
-                    state[name] = meta  # no dense copy: the codes stand for it
-                    continue
-            parts = [tensors[src]() for src in sources]
-            w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if meta.dim() == 3 and w.numel() == meta.numel():  # experts, stacked (moe.py)
-                w = w.view(meta.shape)
-            if w.shape != meta.shape:
+            parts = [codes[src]() for src in sources] if quantized and meta.dim() == 2 and all(
+                src in codes for src in sources) else None
+            if parts and len({p.kind for p in parts}) == 1:  # a fused projection's parts of one type
+                w = parts[0] if len(parts) == 1 else Quantized.cat(parts)
+            else:
+                parts = [tensors[src]() for src in sources]
+                w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                if meta.dim() == 3 and w.numel() == meta.numel():  # experts, stacked (moe.py)
+                    w = w.view(meta.shape)
+            if tuple(w.shape) != tuple(meta.shape):
                 raise ValueError(f"checkpoint weight for {name!r} has shape {tuple(w.shape)}, "
                                  f"its config implies {tuple(meta.shape)}")
-            state[name] = w.to(device=device, dtype=dtype)
+            if isinstance(w, Quantized):
+                quant[name], state[name] = w, meta  # no dense copy: the codes stand for it
+            else:
+                state[name] = w.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     for name, w in quant.items():
         model.get_submodule(name.rpartition(".")[0]).quant = w
