@@ -58,6 +58,8 @@ class Embedder:
         if config is not None and options:
             raise TypeError("give config or its fields as keywords, not both")
         cfg = config or EngineConfig(**options)
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: an embedding model runs on one rank (1)")
         path = resolve_model_path(model)
         self.layout = layouts.read(path)
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:

@@ -31,6 +31,11 @@ class EngineConfig:
     threads: int | None = _knob(None, "torch threads on a CPU (default: every core this process may "
                                       "use; N workers on one host: give each its share, cores / N, or "
                                       "they contend for the cores)", env="FANOUT_THREADS")
+    tensor_parallel_size: int = _knob(1, "split the model over this many ranks, one process each "
+                                         "(one GPU each from the device given, or the CPU's cores "
+                                         "shared): column- and row-parallel layers, KV heads split "
+                                         "(replicated where fewer), experts' rows split, vocab-parallel "
+                                         "embeddings; text models, without LoRA adapters")
     quantization: str = _knob("auto", "auto: a GGUF file's Q4_0, Q4_1, Q4_K and Q8_0 matrices "
                                       "stay as their codes in memory, dequantized in the matmul "
                                       "(on a CPU in float32 with the C kernels, without LoRA "
@@ -109,6 +114,11 @@ class EngineConfig:
             raise ValueError(f"max_loras: {self.max_loras} for {len(loras)} adapters given")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.lora_slots:
+            raise ValueError("tensor_parallel_size: LoRA adapters are not split over ranks; serve them "
+                             "with tensor_parallel_size 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if self.step_share is not None and self.step_share < 0:

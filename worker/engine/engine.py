@@ -80,10 +80,13 @@ class Engine:
         self.runner = ModelRunner(model, cfg)
         mc = self.runner.config
         self.max_context = mc.max_context
-        self.kv_manager = KVManager.create(mc, self.runner.kv_tokens_to_allocate(), cfg.page_size,
-                                           cfg.max_running, cfg.enable_prefix_cache,
-                                           self.runner.dtype, self.runner.device)
-        self.runner.attach_kv(self.kv_manager.kv, self.kv_manager.rtt)
+        try:  # (under tensor parallel, the other ranks size and bind their pools with this one)
+            self.kv_manager = KVManager.create(mc, self.runner.kv_tokens_to_allocate(), cfg.page_size,
+                                               cfg.max_running, cfg.enable_prefix_cache,
+                                               self.runner.dtype, self.runner.device)
+            self.runner.attach_kv(self.kv_manager.kv, self.kv_manager.rtt)
+        except BaseException as e:
+            raise self.runner.abort(e)
         self.scheduler = Scheduler(cfg, self.kv_manager, self.max_context, self.runner.device.type)
         self.executor = Executor(self.runner, Sampler(mc.vocab_size, self.runner.device),
                                  self.kv_manager)
@@ -227,6 +230,11 @@ class Engine:
         """Samples on their way to the scheduler: being tokenized, or behind their prompt's
         warm-up."""
         return len(self.front.text) + sum(len(w.samples) for w in self.front.warmups.values())
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this engine started, if any (a process that exits
+        stops them anyway)."""
+        self.runner.close()
 
     def flush_cache(self) -> int:
         """Drop every unreferenced prefix from the radix cache. Returns pages freed."""

@@ -19,6 +19,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from .attention.base import make_backend
 from .batch import ForwardBatch, ForwardMode
@@ -30,6 +31,8 @@ from .kv_pool import KVPool, ReqToTokenPool
 from .lora import Loras, parse_specs
 from .models.loader import load_model, resolve_dtype
 from .models.llama import quantize_linears
+from .parallel import TP
+from .ranks import Ranks, cpu_threads, rank_device
 
 log = logging.getLogger("fanout.engine")
 MiB = 2**20
@@ -89,9 +92,24 @@ class ModelRunner:
     """Owns the model and the attention backend; uses (never allocates from) the KV pools
     that `attach_kv` hands it."""
 
-    def __init__(self, model_path: str, cfg: EngineConfig):
-        use_threads(cfg.threads)
-        self.device = resolve_device(cfg.device)
+    def __init__(self, model_path: str, cfg: EngineConfig, tp: TP | None = None):
+        """`tp`: a follower's rank (ranks.py). None: rank 0, which starts the followers when
+        cfg.tensor_parallel_size asks for them, and sends them every forward."""
+        size = cfg.tensor_parallel_size
+        use_threads(cfg.threads or (cpu_threads(size) if size > 1 else None))
+        device = resolve_device(cfg.device)
+        self.ranks: Ranks | None = None
+        if tp is None and size > 1:
+            self.ranks = Ranks(model_path, cfg, device)
+            tp = self.ranks.tp
+        self.tp = tp or TP()
+        self.device = rank_device(device, self.tp.rank)
+        try:
+            self._load(model_path, cfg)
+        except BaseException as e:
+            raise self.abort(e)
+
+    def _load(self, model_path: str, cfg: EngineConfig) -> None:
         # fp32 on a CPU (fast matmuls, exact tests), bf16 on a GPU, unless asked.
         self.dtype = resolve_dtype(cfg.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
         self.cfg = cfg
@@ -100,9 +118,10 @@ class ModelRunner:
             check_eight_bit(cfg.quantization, self.device)
         # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them
         # (fp32, no adapters: those add to the dense products).
+        # (fp32, no adapters: those add to the dense products; one rank: codes are not split).
         codes = (cfg.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
-                 and not cfg.lora_slots and cpu_linear.load() and cpu_quant.load())
-        self.model, self.config = load_model(model_path, self.dtype, self.device, quantized=codes)
+                 and not cfg.lora_slots and self.tp.size == 1 and cpu_linear.load() and cpu_quant.load())
+        self.model, self.config = load_model(model_path, self.dtype, self.device, quantized=codes, tp=self.tp)
         if eight_bit:
             n = quantize_linears(self.model, cfg.quantization)
             log.info("weights: %d linear layers in %s, a scale per output row", n, cfg.quantization)
@@ -144,13 +163,19 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
 
     def kv_tokens_to_allocate(self) -> int:
-        """The KV pool size: the configured one, else what the memory allows."""
+        """The KV pool size: the configured one, else what the memory allows (under tensor
+        parallel, on the rank that allows least: every rank runs this at once)."""
         if self.cfg.kv_tokens is not None:
             return self.cfg.kv_tokens
         c = self.config
         per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
-        return self._default_kv_tokens(per_token, self.cfg.kv_memory_fraction,
-                                       self.cfg.max_prefill_tokens, max(self.graph_sizes, default=0))
+        tokens = self._default_kv_tokens(per_token, self.cfg.kv_memory_fraction,
+                                         self.cfg.max_prefill_tokens, max(self.graph_sizes, default=0))
+        if self.tp.size == 1:
+            return tokens
+        least = torch.tensor([tokens], device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(least.item())
 
     def attach_kv(self, kv: KVPool, req_to_token: ReqToTokenPool) -> None:
         """Bind the KV pools (KVManager's) for forward passes, then capture the CUDA graphs,
@@ -253,6 +278,8 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logits_idx), vocab] in float32: from a CUDA graph for a decode
         batch that fits one (a view valid until the next forward), else eagerly."""
+        if self.ranks is not None:
+            self.ranks.send(fb)  # the followers run it beside this one (ranks.py)
         if self.graphs is not None and fb.lora is None and self.graphs.can_run(fb):
             return self.graphs.run(fb)  # (captured without adapters: a batch with them runs eagerly)
         return self.forward_eager(fb)
@@ -267,6 +294,26 @@ class ModelRunner:
             return self.run_model(fb)
         finally:
             self.loras.current = None
+
+    def close(self) -> None:
+        """Stop the followers, if any (rank 0)."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
+
+    def abort(self, e: BaseException) -> BaseException:
+        """After setting up failed on rank 0 with e: the followers killed, and what to raise:
+        e, or the exit of a follower that caused it (a collective's failure is a plain
+        RuntimeError; rank 0's own errors, a bad config's ValueError, are said as they are)."""
+        if self.ranks is None:
+            return e
+        ranks, self.ranks = self.ranks, None
+        why = ranks.exited(wait=2.0) if type(e) is RuntimeError else None
+        ranks.close(failed=True)
+        if why is None:
+            return e
+        why.__cause__ = e
+        return why
 
     def run_model(self, fb: ForwardBatch) -> torch.Tensor:
         """The model and its logits on a batch whose attention metadata is prepared (eagerly,

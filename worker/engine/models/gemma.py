@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..kernels import cpu_linear
-from .llama import MLP, Attention, Linear, RMSNorm, linear
+from ..parallel import TP
+from .llama import MLP, Attention, Embedding, Linear, RMSNorm, linear
 from .rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -44,14 +45,14 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TP):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = Attention(cfg, layer_idx, norm=GemmaRMSNorm)
+        self.self_attn = Attention(cfg, layer_idx, norm=GemmaRMSNorm, tp=tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(self, h: torch.Tensor, rope: tuple, fb) -> torch.Tensor:
@@ -61,9 +62,9 @@ class GemmaLayer(nn.Module):
 
 class GemmaLM(nn.Module):
     """Parameter names are HF's without the leading "model.", q/k/v and gate/up fused as the
-    Llama family's (loader.py)."""
+    Llama family's (loader.py); split over ranks as theirs (`tp`)."""
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, tp: TP = TP()):
         super().__init__()
         self.cfg = cfg
         g = cfg.gemma
@@ -72,11 +73,11 @@ class GemmaLM(nn.Module):
         self.local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, g.local_rope_theta, None,
                                           device=device)
         self.local = [bool(cfg.windows and cfg.windows[i]) for i in range(cfg.num_layers)]
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(GemmaLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tied_head: cpu_linear.Panels | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
@@ -94,6 +95,7 @@ class GemmaLM(nn.Module):
             out = linear(hidden, self.embed_tokens.weight, None, self.tied_head)
         else:
             out = self.lm_head(hidden)
+        out = self.embed_tokens.gather(out, self.cfg.vocab_size)
         cap = self.cfg.gemma.final_logit_softcapping
         if cap is not None:
             out = torch.tanh(out / cap) * cap

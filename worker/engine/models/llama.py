@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_linear, cpu_pointwise, cpu_quant
+from ..parallel import TP
 from .moe import MoE
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -47,9 +48,15 @@ def pack(weight: torch.Tensor, quant: cpu_quant.Quantized | None) -> Packed:
 
 
 class Linear(nn.Linear):
+    """`reduce`: row-parallel (parallel.py): its input is this rank's columns, its products
+    are summed over the ranks before its bias is added."""
     packed: Packed | None = None
     quant: cpu_quant.Quantized | None = None  # its codes, where the loader kept them (its weight is then meta)
     lora = None  # its LoRA adapters' products (lora.Lora), when the engine serves adapters
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, reduce: TP | None = None):
+        super().__init__(in_features, out_features, bias=bias)
+        self.reduce = reduce
 
     def pack(self) -> None:
         self.packed = pack(self.weight, self.quant)
@@ -62,6 +69,9 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:  # (no adapters under tensor parallel: model_runner.py)
+            out = self.reduce.all_reduce(linear(x, self.weight, None, self.packed))
+            return out if self.bias is None else out + self.bias
         out = linear(x, self.weight, self.bias, self.packed)
         return out if self.lora is None else self.lora.add(x, out)
 
@@ -78,12 +88,29 @@ def quantize_linears(model: nn.Module, fmt: str) -> int:
 
 class Embedding(nn.Embedding):
     """nn.Embedding, or its rows read from the panels of its codes (the loader kept them:
-    a GGUF's token embeddings, which a tied lm_head multiplies by)."""
+    a GGUF's token embeddings, which a tied lm_head multiplies by). Under tensor parallel,
+    vocab-parallel: this rank's rows of the vocab (parallel.py), other ids' rows zeros, summed
+    over the ranks."""
     quant: cpu_quant.Quantized | None = None
     packed: cpu_quant.QPanels | None = None
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TP = TP()):
+        self.start, self.stop, rows = tp.vocab(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.tp = tp
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) if self.packed is None else cpu_quant.rows(ids, self.packed)
+        if self.packed is not None:
+            return cpu_quant.rows(ids, self.packed)
+        if self.tp.size == 1:
+            return super().forward(ids)
+        outside = (ids < self.start) | (ids >= self.stop)
+        h = F.embedding(torch.where(outside, 0, ids - self.start), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+    def gather(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The whole vocab's logits from each rank's rows' (an lm_head split as this is)."""
+        return logits if self.tp.size == 1 else self.tp.all_gather(logits)[:, :vocab_size]
 
 
 class RMSNorm(nn.Module):
@@ -113,8 +140,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, norm: type[RMSNorm] = RMSNorm):
-        """`norm`: the q/k norms' kind (Gemma's differs)."""
+    def __init__(self, cfg: ModelConfig, layer_idx: int, norm: type[RMSNorm] = RMSNorm, tp: TP = TP()):
+        """`norm`: the q/k norms' kind (Gemma's differs). `cfg`: this rank's (its heads)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -123,7 +150,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, reduce=tp.reducer())
         if cfg.qk_norm:
             self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
@@ -155,10 +182,11 @@ ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.g
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TP = TP()):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                                reduce=tp.reducer())
         self.gate_up: Packed | None = None  # both, packed (pack())
         self.act = ACTIVATIONS[cfg.hidden_act]
 
@@ -184,13 +212,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TP = TP()):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and layer_idx in cfg.moe.layers
-        self.mlp = MoE(cfg.moe, cfg.hidden_size) if sparse else MLP(cfg)
+        self.mlp = MoE(cfg.moe, cfg.hidden_size, tp) if sparse else MLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple, fb):
         """(the previous layer's output, the residual stream; None at the first layer, whose
@@ -206,9 +234,10 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Parameter names are HF's without the leading "model.", with q/k/v fused into
-    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py)."""
+    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py). `tp`: this
+    rank's part (parallel.py), `cfg` then the rank's."""
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, tp: TP = TP()):
         super().__init__()
         self.cfg = cfg
         # The cos/sin cache is computed, not loaded, so it is built on the target device even
@@ -216,11 +245,11 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta,
                                     cfg.rope_scaling, device=device,
                                     mrope_section=cfg.mrope_section)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if not cfg.tie_word_embeddings:  # the embeddings' vocab rows
+            self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         self.tied_head: Packed | None = None  # packed copy of the tied embeddings
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
@@ -240,8 +269,10 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> [N, vocab] float32."""
         if self.cfg.tie_word_embeddings:
-            return linear(hidden, self.embed_tokens.weight, None, self.tied_head).float()
-        return self.lm_head(hidden).float()
+            out = linear(hidden, self.embed_tokens.weight, None, self.tied_head)
+        else:
+            out = self.lm_head(hidden)
+        return self.embed_tokens.gather(out, self.cfg.vocab_size).float()
 
     def pack_weights(self, fuse_mlp: bool = True) -> None:
         """Every matmul from the kernel's panels (see the module docstring; the caller checks

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..kernels.cpu_quant import Quantized
+from ..parallel import TP
 from . import gguf
 from .config import ModelConfig
 from .registry import architecture
@@ -58,22 +59,30 @@ def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
 
 
 def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False,
-               quantized: bool = False) -> tuple[nn.Module, ModelConfig]:
+               quantized: bool = False, tp: TP = TP()) -> tuple[nn.Module, ModelConfig]:
     """`base_only`: the transformer without its lm_head (an embedding model's hidden states:
     its checkpoint may hold the base model alone, under AutoModel's names, no "model.").
     `quantized`: a GGUF file's matrices of the types cpu_quant keeps quantized are read as
     their codes, set on their module as `quant` (a Linear's, or the token embeddings'), and
-    the parameter is left on the meta device; the caller packs them (CausalLM.pack_weights)."""
+    the parameter is left on the meta device; the caller packs them (CausalLM.pack_weights).
+    `tp`: this rank's part of the model (parallel.py), read from the whole checkpoint one
+    tensor at a time; the config returned is the rank's (its heads, its intermediate rows)."""
     path = resolve_model_path(path)
     with _checkpoint(path) as (cfg, tensors, codes):
         dtype, device = resolve_dtype(dtype, cfg), torch.device(device)
         arch = architecture(cfg.architecture)
+        whole, cfg = cfg, tp.local(cfg)
+        if tp.size > 1 and arch.vision is not None:
+            raise ValueError(f"tensor_parallel_size: {cfg.architecture}'s vision tower is not split "
+                             "over ranks; serve it with tensor_parallel_size 1")
+        if tp.size > 1 and quantized:
+            raise ValueError("a GGUF's codes are not split over ranks: load them dense (quantized False)")
         if arch.renames:
             tensors = {arch.rename(k): f for k, f in tensors.items()}
         elif base_only and not any(k.startswith("model.") for k in tensors):
             tensors = {"model." + k: f for k, f in tensors.items()}
         with torch.device("meta"):
-            model = arch.model_class(cfg, device=device)
+            model = arch.model_class(cfg, device=device, **({"tp": tp} if tp.size > 1 else {}))
         if base_only and hasattr(model, "lm_head"):
             del model.lm_head
         expected = model.state_dict()  # meta tensors: names and shapes only
@@ -83,6 +92,7 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False,
         if missing:
             raise ValueError(f"checkpoint {path} is missing {len(missing)} weight(s): "
                              f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+        splits = tp.splits(whole, expected)
         state, quant = {}, {}
         for name, meta in expected.items():
             sources = arch.checkpoint_names(name, experts)
@@ -93,6 +103,8 @@ def load_model(path: str, dtype="auto", device="cpu", base_only: bool = False,
             else:
                 parts = [tensors[src]() for src in sources]
                 w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                if name in splits:
+                    w = splits[name].take(w)
                 if meta.dim() == 3 and w.numel() == meta.numel():  # experts, stacked (moe.py)
                     w = w.view(meta.shape)
             if tuple(w.shape) != tuple(meta.shape):

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import TP
+
 if TYPE_CHECKING:
     from .config import MoEConfig
 
@@ -28,8 +30,10 @@ class MoE(nn.Module):
     hidden, intermediate]); the loader stacks them from the checkpoint's per-expert weights
     (registry.py)."""
 
-    def __init__(self, moe: MoEConfig, hidden_size: int):
+    def __init__(self, moe: MoEConfig, hidden_size: int, tp: TP = TP()):
+        """`moe`: this rank's (its share of every expert's intermediate rows, parallel.py)."""
         super().__init__()
+        self.tp = tp
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.renormalize, self.weights_in_model_dtype = moe.renormalize, moe.weights_in_model_dtype
         self.router = nn.Linear(hidden_size, moe.num_experts, bias=False)
@@ -46,7 +50,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        return (self.fused if x.is_cuda else self.loop)(x, weights, experts)
+        return self.tp.all_reduce((self.fused if x.is_cuda else self.loop)(x, weights, experts))
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts in turn, each over its tokens (the module doc)."""
