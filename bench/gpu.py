@@ -1,7 +1,8 @@
 """The GPU check, in one command: kernels on the device, greedy output with CUDA graphs on ==
 graphs off == transformers, decode step time per batch size with and without graphs, memory
 bandwidth per decode step, throughput against transformers `generate`, and the model with
-8-bit weights (int8, fp8 where the GPU has it) against itself in the dtype.
+8-bit weights (int8, fp8 where the GPU has it) against itself in the dtype, and the
+model split over 2 GPUs (tensor parallel, NCCL) against it on one, where there are 2.
 
     python bench/gpu.py                      # CUDA: a Qwen2.5-0.5B-shaped random model, bf16
     python bench/gpu.py --dry-run            # CPU: a tiny model through the same code paths
@@ -257,6 +258,34 @@ def eight_bit(engine, model_dir, cfg, vocab, dev):
         del e
         torch.cuda.empty_cache()
     return dict(rows=rows)
+
+
+def tensor_parallel(engine, model_dir, cfg, vocab, dev):
+    """The model split over 2 ranks (on 2 GPUs: NCCL, each rank capturing its CUDA graphs; in
+    a dry run: gloo on the CPU) against the engine on one: greedy tokens (count equal, where
+    the first differs) and the same batch's tok/s, each engine warmed up first."""
+    if dev.type == "cuda" and torch.cuda.device_count() < 2:
+        return dict(skipped=f"{torch.cuda.device_count()} GPU here: tensor parallel needs 2")
+    batch, new = prompts(8, 16, 64, vocab, seed=13), 32
+
+    def run(e):
+        greedy_ours(e, batch, [4] * len(batch))
+        t = time.perf_counter()
+        out = greedy_ours(e, batch, [new] * len(batch))
+        sync(dev)
+        return out, len(batch) * new / (time.perf_counter() - t)
+
+    want, one = run(engine)
+    e = Engine(model_dir, device=dev.type, dtype=cfg["dtype"], tensor_parallel_size=2, kv_tokens=16384)
+    try:
+        got, two = run(e)
+        graphs = e.runner.graphs is not None
+    finally:
+        e.close()
+    firsts = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+    return dict(ranks=2, backend="nccl" if dev.type == "cuda" else "gloo", graphs=graphs,
+                equal=f"{sum(f is None for f in firsts)}/{len(batch)}", first_differ=[f for f in firsts if f is not None],
+                tok_s_one=one, tok_s_two=two)
 
 
 def prompts(n, lo, hi, vocab, seed):
@@ -628,6 +657,11 @@ def table(res) -> str:
         for r in res["eight_bit"]["rows"]:
             row(f"| {r['format']} | {r['weights_mb']:.0f} | {r['step_ms'][1]:.3f} | {r['step_ms'][8]:.3f} | "
                 f"{r.get('equal', '-')} | {r.get('first_differ', '-')} |")
+    if res.get("tensor_parallel", {}).get("ranks"):
+        t = res["tensor_parallel"]
+        lines += ["", f"Tensor parallel, {t['ranks']} ranks over {t['backend']} (CUDA graphs: {t['graphs']}): "
+                      f"greedy = one rank's {t['equal']} (first differ at {t['first_differ'] or '-'}); "
+                      f"{t['tok_s_two']:.0f} tok/s against {t['tok_s_one']:.0f} on one"]
     if res["errors"]:
         lines += ["", "Errors: " + "; ".join(f"{k}: {v.strip().splitlines()[-1]}"
                                              for k, v in res["errors"].items())]
@@ -721,6 +755,7 @@ def main(argv=None) -> int:
         section("step_overhead", lambda: step_overhead(engine, cfg, vocab, dev))
         section("throughput", lambda: throughput(engine, hf, cfg, vocab, dev))
         section("eight_bit", lambda: eight_bit(engine, model_dir, cfg, vocab, dev))
+        section("tensor_parallel", lambda: tensor_parallel(engine, model_dir, cfg, vocab, dev))
     section("vision", lambda: vision_check(dev, model_dir + "-vl"))
     print(write())
     return 0 if res["correct"] and not res["errors"] else 1

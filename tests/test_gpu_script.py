@@ -45,6 +45,9 @@ def test_gpu_script_dry_run(tmp_path):
         (False, 2), (False, 3), (True, 2), (True, 3)]
     assert all(r["steps"] > 0 and 0 <= r["not_forward"] < 1 and r["forward_ms"] > 0 for r in o["rows"])
     assert res["eight_bit"] == {"skipped": "8-bit weights run on a GPU"}
+    t = res["tensor_parallel"]  # 2 ranks over gloo: fp32, the same tokens
+    assert (t["ranks"], t["backend"], t["equal"], t["first_differ"]) == (2, "gloo", "8/8", [])
+    assert t["tok_s_one"] > 0 and t["tok_s_two"] > 0
     tp = res["throughput"]
     assert tp["out_tokens"] > 0 and tp["ours_tok_s"] > 0 and tp["hf_tok_s"] > 0
     assert res["startup"]["graph_sizes"][0] == 1 and not res["startup"]["captured"]
@@ -52,6 +55,7 @@ def test_gpu_script_dry_run(tmp_path):
     assert res["vision"] == {"chats": 4, "images": [0, 1, 2, 3], "exact": 4}
     table = (out / "gpu.md").read_text()
     assert "dry run" in table and "| batch | context |" in table and "| overlap | batch |" in table
+    assert "Tensor parallel, 2 ranks over gloo" in table
 
 
 def test_greedy_adjudication_catches_a_wrong_token(tiny_models):
