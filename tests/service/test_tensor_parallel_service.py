@@ -1,6 +1,6 @@
 """`fanout worker --tensor-parallel-size 2` on the CPU: the worker process is rank 0 and
 starts rank 1; a job through the API gives the tokens one rank gives in this process, and a
-rank killed (kill -9) makes the worker give its jobs back and exit, its other rank with it."""
+rank killed (kill -9) makes the worker give its jobs back and exit, naming the rank."""
 import os
 import signal
 import subprocess
@@ -60,6 +60,9 @@ def test_a_job_on_two_ranks_equals_one_rank_and_a_dead_rank_ends_the_worker(mode
         assert status["status"] in ("queued", "failed"), status
         assert time.monotonic() - t < 60
         conn.close()
+    # The worker's start of its rank and its exit, as its log says them.
+    log = open(next(tmp_path.glob("test-worker-*.log"))).read()
+    assert "tensor parallel: 2 ranks" in log and "tensor-parallel rank 1" in log
 
 
 def _is_worker(pid: int, redis_url: str) -> bool:
