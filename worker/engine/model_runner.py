@@ -117,7 +117,6 @@ class ModelRunner:
         if eight_bit:
             check_eight_bit(cfg.quantization, self.device)
         # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them
-        # (fp32, no adapters: those add to the dense products).
         # (fp32, no adapters: those add to the dense products; one rank: codes are not split).
         codes = (cfg.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
                  and not cfg.lora_slots and self.tp.size == 1 and cpu_linear.load() and cpu_quant.load())

@@ -87,14 +87,17 @@ class Step:
     rows: list[tuple[int, np.ndarray]]
 
     def write(self, table: torch.Tensor) -> None:
-        """Every row's slots [0, seq_len) into a follower's table (or the Mirror)."""
-        for row, slots in self.rows:
-            table[row, :len(slots)] = torch.from_numpy(slots)
-        new = torch.from_numpy(self.arrays["out_cache_loc"])
-        start = 0
-        for row, p, n in zip(self.arrays["req_pool_indices"].tolist(), self.prefix_lens, self.extend_lens):
-            table[row, p:p + n] = new[start:start + n]
-            start += n
+        """Every row's slots [0, seq_len) into a follower's table (or the Mirror), as one
+        scatter into the flat table (one copy to a GPU, not one a row)."""
+        width = table.stride(0)
+        lens = np.asarray(self.extend_lens, dtype=np.int64)
+        first = self.arrays["req_pool_indices"] * width + np.asarray(self.prefix_lens, dtype=np.int64)
+        within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        pos = [np.arange(len(slots), dtype=np.int64) + row * width for row, slots in self.rows]
+        pos.append(np.repeat(first, lens) + within)
+        val = [slots for _, slots in self.rows] + [self.arrays["out_cache_loc"]]
+        table.view(-1)[torch.from_numpy(np.concatenate(pos)).to(table.device)] = \
+            torch.from_numpy(np.concatenate(val)).to(table.device)
 
     def forward_batch(self, kv: KVPool, table: torch.Tensor, device: torch.device) -> ForwardBatch:
         self.write(table)
