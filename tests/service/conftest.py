@@ -220,6 +220,17 @@ def own_service(model, logs, name, args=()):
         server.stop()
 
 
+def worker_pid(redis_url) -> int:
+    """The pid of the one worker registered with a service's own Redis (own_service's)."""
+    from rq.worker import Worker
+    conn = connect(redis_url)
+    try:
+        [w] = Worker.all(connection=conn)
+        return int(w.pid)
+    finally:
+        conn.close()
+
+
 @pytest.fixture(scope="session")
 def worker(redis_url, model_dir, tmp_path_factory):
     w = WorkerProc(redis_url, model_dir, tmp_path_factory.mktemp("worker-logs"))

@@ -9,7 +9,6 @@ its own job."""
 import base64
 import io
 import json
-import os
 import socket
 import time
 
@@ -23,7 +22,7 @@ from results.client import Client
 from worker.engine import Engine, SamplingParams
 from worker.engine.models.tiny import build_tiny_llava
 
-from conftest import own_service
+from conftest import own_service, worker_pid
 
 SP = {"max_new_tokens": 6, "temperature": 0}
 IMAGE_MEMORY = 200_000_000  # the vision worker's --image-memory
@@ -366,7 +365,7 @@ def test_decoding_counts_against_the_image_memory(vision_service, image_server):
     (Before: every image of a load stayed decoded until the load ended; 16 distinct 8192²
     PNGs took a worker from 628 MB to 5.2 GB.)"""
     url, redis_url = vision_service
-    pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_vision_worker(int(p), redis_url))
+    pid = worker_pid(redis_url)
     names = []
     for k in range(6):
         img = PILImage.new("RGB", (4096, 4096), (k * 40, 90, 200))
@@ -392,12 +391,3 @@ def test_decoding_counts_against_the_image_memory(vision_service, image_server):
     assert grew < IMAGE_MEMORY / 2**20 + 150, grew  # six at once would be over 700 MB
     print(f"six 4096² images and a refused 8192x7000: worker peak RSS +{grew:.0f} MB "
           f"(--image-memory {IMAGE_MEMORY / 2**20:.0f} MiB)")
-
-
-def _is_vision_worker(pid: int, redis_url: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"worker" in args and b"--image-memory" in args and redis_url.encode() in args

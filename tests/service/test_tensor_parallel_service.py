@@ -9,7 +9,7 @@ import time
 import pytest
 import redis as redis_lib
 
-from conftest import own_service, wait_for
+from conftest import own_service, wait_for, worker_pid
 from results import reader
 from results.client import Client
 from worker.engine import Engine, SamplingParams
@@ -46,14 +46,14 @@ def test_a_job_on_two_ranks_equals_one_rank_and_a_dead_rank_ends_the_worker(mode
         got = [[s["token_ids"] for s in it["samples"]] for it in c.results(job["id"])]
         assert got == [[s.token_ids for s in it.samples] for it in ref]
 
-        worker = next(p for p in os.listdir("/proc") if p.isdigit() and _is_worker(int(p), redis_url))
-        [follower] = children(int(worker))
+        worker = worker_pid(redis_url)
+        [follower] = children(worker)
         long = c.submit(prompts=["go on"] * 16, model=NAME,
                         sampling_params={"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True})
         wait_for(lambda: c.status(long["id"])["status"] == "running", 60, "the long job to run")
         os.kill(follower, signal.SIGKILL)
         t = time.monotonic()
-        wait_for(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(int(worker)), 60,
+        wait_for(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), 60,
                  "the worker to exit after its rank died")
         # It fails the job's attempt, which goes back to the queue (it has retries left).
         status = c.status(long["id"])
@@ -63,15 +63,6 @@ def test_a_job_on_two_ranks_equals_one_rank_and_a_dead_rank_ends_the_worker(mode
     # The worker's start of its rank and its exit, as its log says them.
     log = open(next(tmp_path.glob("test-worker-*.log"))).read()
     assert "tensor parallel: 2 ranks" in log and "tensor-parallel rank 1" in log
-
-
-def _is_worker(pid: int, redis_url: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"worker" in cmd and redis_url.encode() in cmd and b"--tensor-parallel-size" in cmd
 
 
 def _zombie(pid: int) -> bool:
