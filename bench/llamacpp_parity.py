@@ -1,6 +1,7 @@
 """Greedy tokens of Fanout on a GGUF file's codes against llama.cpp's on the same file.
 
     python bench/llamacpp_parity.py --llamacpp ~/peers/llama/bin/python     # the demo GGUF
+    python bench/llamacpp_parity.py --llamacpp ~/peers/llama/bin/python --quantization q8
 
 The 16 chats of bench/peers.py's chats16, 48 new tokens each, greedy, EOS masked until then
 (as every peer runs). llama.cpp runs in its own venv through bench/peer_worker.py; Fanout
@@ -32,9 +33,11 @@ def main() -> None:
     ap.add_argument("--llamacpp", metavar="PY", required=True, help="python of a venv with llama-cpp-python")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quantization", default="auto", choices=("auto", "q8"),
+                    help="Fanout's products over the codes: exact fp32 (auto) or x rounded to 8 bits (q8)")
     args = ap.parse_args()
     path = args.model or fetch_demo_model()
-    engine = Engine(path)
+    engine = Engine(path, quantization=args.quantization)
     chats = prompts(engine.tokenizer, "mixed16")
     work = dict(prompts=chats, max_new_tokens=TOKENS, n=1, temperature=0.0, seed=1)
     theirs = None
@@ -65,8 +68,9 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     equal = sum(r["equal"] for r in rows)
-    print(f"\nequal to llama.cpp: {equal}/{len(rows)}")
-    save("llamacpp_parity", {"model": path, "tokens": TOKENS, "equal": equal, "of": len(rows), "rows": rows})
+    print(f"\nquantization {args.quantization}: equal to llama.cpp: {equal}/{len(rows)}")
+    save("llamacpp_parity", {"model": path, "quantization": args.quantization, "tokens": TOKENS, "equal": equal,
+                             "of": len(rows), "rows": rows})
 
 
 if __name__ == "__main__":

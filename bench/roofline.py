@@ -2,10 +2,12 @@
 weight of the model, so its floor is the weights' bytes over the bandwidth the machine streams.
 
     python bench/roofline.py                      # the demo GGUF (SmolLM2-135M, Q4_1), batches 1,2,4,8
-    python bench/roofline.py --batches 1,8 --tokens 64 --repeats 3
+    python bench/roofline.py --batches 1,8 --tokens 64 --repeats 3 --formats auto,q8,none
 
-Two engines on the same file, one after the other: its weights kept quantized (the default:
-kernels/cpu_quant.c) and dequantized to fp32 (`--quantization none`). For each batch size, that many
+An engine a format on the same file, one after the other (--formats, EngineConfig.quantization):
+its weights kept quantized with exact fp32 products (auto, the default: kernels/cpu_quant.c),
+kept quantized with the activations rounded to 8 bits for integer products (q8), and
+dequantized to fp32 (none). For each batch size, that many
 requests of 16 prompt tokens decode --tokens new tokens (greedy, ignore_eos); the steps
 timed are those in which every request decodes (after the prefill), best of --repeats.
 
@@ -72,9 +74,8 @@ def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
     return times[len(times) // 2], 16 + tokens // 2
 
 
-def run_engine(path: str, quantized: bool, batches: list[int], tokens: int, repeats: int) -> list[dict]:
-    engine = Engine(path, config=EngineConfig(device="cpu", quantization="auto" if quantized else "none",
-                                                  max_running=max(batches)))
+def run_engine(path: str, fmt: str, batches: list[int], tokens: int, repeats: int) -> list[dict]:
+    engine = Engine(path, config=EngineConfig(device="cpu", quantization=fmt, max_running=max(batches)))
     c = engine.runner.config
     per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
     weights = engine.runner.mem["weights"]
@@ -83,7 +84,7 @@ def run_engine(path: str, quantized: bool, batches: list[int], tokens: int, repe
     for b in batches:
         best, held = min(decode(engine, b, tokens) for _ in range(repeats))
         step_bytes = weights + b * held * per_token
-        rows.append({"format": "quantized" if quantized else "fp32", "batch": b, "weights_mb": round(weights / 1e6, 1),
+        rows.append({"format": fmt, "batch": b, "weights_mb": round(weights / 1e6, 1),
                      "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(best * 1e3, 2),
                      "tok_s": round(b / best, 1), "gb_s": round(step_bytes / best / GB, 1)})
         print(rows[-1], flush=True)
@@ -99,14 +100,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth test's tensor")
+    ap.add_argument("--formats", default="auto,q8,none", help="quantization values, one engine each")
     args = ap.parse_args(argv)
     path = args.model or fetch_demo_model()
     batches = [int(b) for b in args.batches.split(",")]
     before = bandwidth(args.gib)
     print("machine before:", before, flush=True)
     rows = []
-    for quantized in (True, False):
-        rows += run_engine(path, quantized, batches, args.tokens, args.repeats)
+    for fmt in args.formats.split(","):
+        rows += run_engine(path, fmt, batches, args.tokens, args.repeats)
     after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
     read = max(before["read_gb_s"], after["read_gb_s"])

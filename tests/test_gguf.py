@@ -219,14 +219,14 @@ def test_quantized_weights_stay_codes_and_give_the_dequantized_outputs(tmp_path,
 
 
 def test_the_roofline_benchmark_runs(tmp_path):
-    """bench/roofline.py at small sizes on a Q4_1 file: both formats, each step's bytes and rate."""
+    """bench/roofline.py at small sizes on a Q4_1 file: the three formats, each step's bytes and rate."""
     from bench import roofline
     hf_dir = build_tiny_model(str(tmp_path / "wide"), arch="llama", hidden_size=256, num_heads=4,
                               num_kv_heads=2, intermediate_size=512, num_layers=2)
     path = write_gguf(hf_dir, str(tmp_path / "q4_1.gguf"), (Q.Q4_1,))
     rows = roofline.main(["--model", path, "--batches", "1,2", "--tokens", "6", "--repeats", "1", "--gib", "0.05"])
-    assert [(r["format"], r["batch"]) for r in rows] == [("quantized", 1), ("quantized", 2), ("fp32", 1), ("fp32", 2)]
-    assert rows[0]["weights_mb"] < rows[2]["weights_mb"] / 4
+    assert [(r["format"], r["batch"]) for r in rows] == [(f, b) for f in ("auto", "q8", "none") for b in (1, 2)]
+    assert rows[0]["weights_mb"] == rows[2]["weights_mb"] < rows[4]["weights_mb"] / 4
     assert all(r["step_mb"] >= r["weights_mb"] and r["step_ms"] > 0 and r["tok_s"] > 0 and "of_roofline" in r for r in rows)
 
 
@@ -331,3 +331,24 @@ def test_smollm2_greedy_chat_matches_transformers(engine, hf_smollm2):
         got = item.samples[0].token_ids
         assert got == want[:len(got)] and set(want[len(got):]) <= {eos}, q
     assert items[0].samples[0].text == "The capital of France is Paris."  # real text
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_q8_multiplies_the_codes_by_rounded_activations(tmp_path, qtype):
+    """quantization q8: the same codes, every matmul the dot way (x rounded to 8 bits per 32,
+    integer sums; each product's error bound: tests/test_quant.py): logits near the exact ones,
+    not equal (a random model amplifies ~1% a matmul to a mean of 4-14% of the logits' spread,
+    correlation > 0.97); a prompt's logits the same floats alone as in a batch."""
+    hf_dir = build_tiny_model(str(tmp_path / "wide"), arch="llama", hidden_size=256, num_heads=4,
+                              num_kv_heads=2, intermediate_size=512, num_layers=2, tie_word_embeddings=True)
+    path = write_gguf(hf_dir, str(tmp_path / f"{qtype.name}.gguf"), (qtype,))
+    q8, exact = Engine(path, kv_tokens=1024, quantization="q8"), Engine(path, kv_tokens=1024)
+    packed = [m.packed for m in q8.runner.model.modules() if getattr(m, "packed", None) is not None]
+    assert packed and all(p.dot for p in packed) and q8.runner.mem["weights"] == exact.runner.mem["weights"]
+    batch = [q8.tokenizer(t)["input_ids"] for t in TEXTS]
+    ours, theirs = q8.prompt_logits(batch), exact.prompt_logits(batch)
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert 0 < float((a - b).abs().mean() / b.std()) < 0.3
+        assert float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) > 0.9
+    (_, alone), = q8.prompt_logits(batch[-1:])
+    assert torch.equal(alone, ours[-1][1])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .image_urls import ImageSources
 
-QUANTIZATIONS = ("auto", "none", "int8", "fp8")
+QUANTIZATIONS = ("auto", "q8", "none", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -40,6 +40,10 @@ class EngineConfig:
                                       "stay as their codes in memory, dequantized in the matmul "
                                       "(on a CPU in float32 with the C kernels, without LoRA "
                                       "adapters; the same outputs from a fraction of the bytes); "
+                                      "q8: as auto, and each row of activations is rounded to 8 "
+                                      "bits per 32 values (as llama.cpp does) for integer dot "
+                                      "products: faster, outputs near auto's, not equal (a CPU, "
+                                      "one rank, no adapters); "
                                       "none: every weight dense in the dtype; int8 or fp8: on a "
                                       "GPU, every linear layer's weight quantized at load to 8 bits "
                                       "with a scale per output row (Triton; fp8 needs compute "

@@ -70,11 +70,24 @@ def cpu_kv_tokens(per_token: int, max_running: int, max_context: int,
     return cap, bound
 
 
+def check_q8(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """q8 rounds activations for the CPU kernel's integer products over a GGUF's codes."""
+    where = "a CPU in float32, one rank, without LoRA adapters"
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization q8: the integer products over a GGUF's codes run on {where}; "
+                         f"this is {device.type} in {str(dtype).removeprefix('torch.')} (on a GPU: int8 or fp8)")
+    if cfg.lora_slots or cfg.tensor_parallel_size > 1:
+        raise ValueError(f"quantization q8: the integer products over a GGUF's codes run on {where}")
+    if not (cpu_linear.load() and cpu_quant.load()):
+        raise ValueError("quantization q8: the CPU kernels could not be built (no C compiler): use auto")
+
+
 def check_eight_bit(fmt: str, device: torch.device) -> None:
     """int8 / fp8 weights are the GPU's (Triton kernels); fp8 needs e4m3 (compute capability 8.9+)."""
     if device.type != "cuda":
         raise ValueError(f"quantization {fmt}: 8-bit weights run on a GPU; on a CPU, a GGUF file's "
-                         "Q8_0 and Q4 matrices stay quantized (quantization auto)")
+                         "Q8_0 and Q4 matrices stay quantized (quantization auto, or q8 for "
+                         "integer products)")
     if fmt == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"quantization fp8: this GPU (compute capability "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) has no "
@@ -116,9 +129,11 @@ class ModelRunner:
         eight_bit = cfg.quantization in ("int8", "fp8")
         if eight_bit:
             check_eight_bit(cfg.quantization, self.device)
+        if cfg.quantization == "q8":
+            check_q8(cfg, self.device, self.dtype)
         # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them
         # (fp32, no adapters: those add to the dense products; one rank: codes are not split).
-        codes = (cfg.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
+        codes = (cfg.quantization in ("auto", "q8") and self.device.type == "cpu" and self.dtype == torch.float32
                  and not cfg.lora_slots and self.tp.size == 1 and cpu_linear.load() and cpu_quant.load())
         self.model, self.config = load_model(model_path, self.dtype, self.device, quantized=codes, tp=self.tp)
         if eight_bit:
@@ -155,7 +170,8 @@ class ModelRunner:
             keep_freed_blocks()  # activations reused from the heap, not page-faulted anew
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.load():
             # The C matmul kernel's panels (fp32 only); with adapters (a CausalLM's), gate and up unfused.
-            self.model.pack_weights(**({} if self.loras is None else {"fuse_mlp": False}))
+            self.model.pack_weights(**({"dot": cfg.quantization == "q8"} if self.loras is None
+                                       else {"fuse_mlp": False}))
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0

@@ -1,26 +1,34 @@
 /* y = x W^T on a CPU from quantized weights (cpu_quant.py says why): GGUF's 4- and 8-bit
-codes kept in memory and turned into fp32 weights where they are multiplied.
+codes kept in memory and multiplied where they are read, two ways (QPanels.dot picks):
 
-The panels are cpu_linear's (NR output columns, k-major), of codes instead of floats, with
-per 32 k and column a scale d and an offset o:
-  4 bits: codes [K/2][NR], byte (k2, j) = q[2 k2][j] | q[2 k2 + 1][j] << 4
-  8 bits: codes [K][NR] (GGUF's signed codes + 128: unsigned, as the 4-bit ones)
+- exact: each code becomes its fp32 weight q * d + o in registers, one FMA, and meets x in
+  fp32. q * d is exact in float32 (a code of 8 bits at most times a scale of at most 17
+  significant bits), so the FMA's one rounding gives the float gguf's dequantization
+  computes, to the bit, and y equals cpu_linear's on the dequantized weight, float for float:
+  the engine's tokens and logits are those of the model loaded in fp32;
+- dot: each row of x is rounded to 8 bits per 32 values first (a scale amax / 127, as
+  llama.cpp's Q8 blocks), and a group's 32 products are summed as integers (AVX2's
+  maddubs: 32 byte products a instruction, against 8 fp32 FMAs, and no code turned into a
+  float), then scaled: y += d dx sum(q xq) + o sum(x). Not equal to the fp32 model's:
+  within the rounding of x to 8 bits, as llama.cpp's own products.
+
+The panels are NR output columns of K, a group of 32 k at a time, each column's codes for
+4 k in one 32-bit lane (an integer dot product's unit):
+  4 bits: codes [K/32][4][NR][4], byte (G, t, j, b) = q[32G + 8t + b][j] | q[32G + 8t + 4 + b][j] << 4
+  8 bits: codes [K/32][8][NR][4], byte (G, t, j, b) = q[32G + 4t + b][j], GGUF's signed codes
   scales [K/32][2][NR]: d, then o
-A weight is q * d + o, one FMA: Q4_1 and Q4_K (o = m, or -dmin * m), Q4_0 (o = -8 d), Q8_0
-(o = -128 d). q * d is exact in float32 (a code of 8 bits at most times a scale of at most 17
-significant bits), so the FMA's one rounding gives the float gguf's dequantization computes,
-to the bit, and y equals cpu_linear's on the dequantized weight, float for float: the
-engine's tokens and logits are those of the model loaded in fp32.
+A weight is q * d + o: Q4_1 and Q4_K (o = m, or -dmin * m), Q4_0 (o = -8 d), Q8_0 (o = 0).
 
-Two ways through a panel (a task), each sum in k order, so a row's output does not depend on
-its batch-mates or on the way:
-- a decode step's few rows (M <= SMALL_M): QR rows at a time, the codes become weights in
-  registers, straight into the FMAs (the panel's codes stay in L1 for the next QR rows);
-- more rows (prefill): in passes of rows (as in cpu_linear.c), KC k steps of the panel are
-  turned into floats in L1 (KC x NR, 12 KB at NR 48) and every row tile of the pass adds them
-  with cpu_linear's register tile (cpu_tile.h), its sums waiting in a per-thread buffer.
+Every sum runs in k order (exact) or group order (dot), whatever the rows beside it, so a
+row's output does not depend on its batch-mates or on the way through:
+- a decode step's few rows (M <= SMALL_M), and every row in the dot way: QR rows at a time
+  over a panel, whose codes stay in L1 for the next QR rows;
+- more rows, exact (prefill): in passes of rows (as in cpu_linear.c), KC k steps of the panel
+  are turned into floats in L1 (KC x NR) and every row tile of the pass adds them with
+  cpu_linear's register tile (cpu_tile.h), its sums waiting in a per-thread buffer.
 A decode step reads each weight's half byte (or byte) from memory, not its 4 bytes.
 */
+#include <math.h>
 #include <stdlib.h>
 
 #include "cpu_tile.h"
@@ -29,48 +37,45 @@ A decode step reads each weight's half byte (or byte) from memory, not its 4 byt
 #define SMALL_M 8 /* rows up to which the codes are turned into weights in registers */
 #define QR 4 /* rows a register tile of codes takes */
 
-typedef uint8_t vu8 __attribute__((vector_size(VL)));
-
 int64_t fanout_quant_nr(void) { return NR; }
 
-/* bytes -> floats through int32 lanes (a zero-extend, then a convert; GCC turns a direct
-   byte -> float conversion into one scalar convert per lane) */
-INLINE vf widen(vu8 b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
-
-/* VL bytes at p, widened: the load folded into the zero-extend where the ISA has one (GCC
-   builds a plain load's lanes one by one here) */
-INLINE vf widen_at(const uint8_t *p) {
-#if VL == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif VL == 8
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    vu8 b;
-    memcpy(&b, p, sizeof b);
-    return widen(b);
-#endif
-}
-
-INLINE vu8 bytes_at(const uint8_t *p) {
-    vu8 b;
-    memcpy(&b, p, sizeof b);
-    return b;
-}
-
-/* One panel's bytes of codes and floats of scales */
-static int64_t panel_codes(int bits, int64_t K) { return (bits == 8 ? K : K / 2) * NR; }
+/* One panel's bytes of codes and floats of scales; a group's bytes of codes */
+static int64_t group_codes(int bits) { return (bits == 8 ? 32 : 16) * NR; }
+static int64_t panel_codes(int bits, int64_t K) { return K / 32 * group_codes(bits); }
 static int64_t panel_scales(int64_t K) { return 2 * (K / 32) * NR; }
 
-/* t[m][:] = rows 0..mr (at most QR) of x (row stride ldx) times one panel's weights
-   [K][NR], each made from its code in registers as it is used: QR x NV sums, NV scales and
-   offsets in registers. Each sum is a chain of FMAs in k order: every vector of columns at
-   once keeps NV chains a row going (one vector at a time for up to MR rows ran 1.4-1.8x
-   slower at 5-8 rows than two passes of QR over codes then in L1). */
+/* Every line of group G + AHEAD_G's codes and scales asked for, past the panel's end into the
+   next panel's (the panels lie in turn; a prefetch past the last does not fault): a decode
+   step's panels come from memory */
+#define AHEAD_G 16
+INLINE void prefetch_group(int bits, const uint8_t *codes, const float *scales, int64_t G) {
+    const uint8_t *c = codes + (G + AHEAD_G) * group_codes(bits);
+    for (int64_t b = 0; b < group_codes(bits); b += 64) __builtin_prefetch(c + b);
+    const float *sc = scales + 2 * (G + AHEAD_G) * NR;
+    for (int64_t b = 0; b < 2 * NR; b += 16) __builtin_prefetch(sc + b);
+}
+
+INLINE vi lanes_at(const uint8_t *p) { /* VL columns' 32-bit lanes of codes */
+    vi v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* A lane's code of k: 4 bits, byte b's low (hi 0) or high half; 8 bits, byte b signed */
+INLINE vf code4(vi c, int b, int hi) {
+    return __builtin_convertvector((c >> (8 * b + 4 * hi)) & 15, vf);
+}
+INLINE vf code8(vi c, int b) { return __builtin_convertvector((c << (24 - 8 * b)) >> 24, vf); }
+
+/* t[m][:] = rows 0..mr (at most QR) of x (row stride ldx) times one panel's weights [K][NR],
+   each made from its code in registers as it is used (exact): QR x NV sums, NV scales and
+   offsets in registers. Each sum is a chain of FMAs in k order. */
 INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, const uint8_t *codes,
                   const float *scales, int64_t K, float t[MR][NR]) {
     vf a[QR][NV];
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < NV; v++) a[m][v] = (vf){0};
+    const int64_t gb = group_codes(bits);
     for (int64_t G = 0; G < K / 32; G++) {
         vf d[NV], o[NV];
         for (int v = 0; v < NV; v++) {
@@ -78,27 +83,24 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
             o[v] = load(scales + (2 * G + 1) * NR + v * VL);
         }
         const float *xg = x + G * 32;
-        if (bits == 4) {
-            const uint8_t *c = codes + G * 16 * NR;
-            for (int k2 = 0; k2 < 16; k2++) {
-                __builtin_prefetch(c + (k2 + AHEAD) * NR);
-                for (int v = 0; v < NV; v++) {
-                    const vu8 b = bytes_at(c + k2 * NR + v * VL);
-                    const vf w0 = widen(b & 15) * d[v] + o[v], w1 = widen(b >> 4) * d[v] + o[v];
-                    for (int m = 0; m < mr; m++) {
-                        a[m][v] += xg[m * ldx + 2 * k2] * w0;
-                        a[m][v] += xg[m * ldx + 2 * k2 + 1] * w1;
+        const uint8_t *cg = codes + G * gb;
+        prefetch_group(bits, codes, scales, G);
+        for (int q = 0; q < (bits == 4 ? 4 : 8); q++) {
+            vi c[NV];
+            for (int v = 0; v < NV; v++) c[v] = lanes_at(cg + (q * NR + v * VL) * 4);
+            if (bits == 4) {
+                for (int hi = 0; hi < 2; hi++)
+                    for (int b = 0; b < 4; b++)
+                        for (int v = 0; v < NV; v++) {
+                            const vf w = code4(c[v], b, hi) * d[v] + o[v];
+                            for (int m = 0; m < mr; m++) a[m][v] += xg[m * ldx + 8 * q + 4 * hi + b] * w;
+                        }
+            } else {
+                for (int b = 0; b < 4; b++)
+                    for (int v = 0; v < NV; v++) {
+                        const vf w = code8(c[v], b) * d[v] + o[v];
+                        for (int m = 0; m < mr; m++) a[m][v] += xg[m * ldx + 4 * q + b] * w;
                     }
-                }
-            }
-        } else {
-            const uint8_t *c = codes + G * 32 * NR;
-            for (int k = 0; k < 32; k++) {
-                __builtin_prefetch(c + (k + AHEAD) * NR);
-                for (int v = 0; v < NV; v++) {
-                    const vf w = widen_at(c + k * NR + v * VL) * d[v] + o[v];
-                    for (int m = 0; m < mr; m++) a[m][v] += xg[m * ldx + k] * w;
-                }
             }
         }
     }
@@ -106,7 +108,120 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
         for (int v = 0; v < NV; v++) store(t[m] + v * VL, a[m][v]);
 }
 
-/* qtile() with mr and bits constants in each case, so its loops unroll into registers */
+/* x's rows rounded to 8 bits (the dot way): per row and group of 32, codes xq in -127..127,
+   its scale amax / 127 and the group's fp32 sum (for the weights' offsets) */
+typedef struct {
+    int8_t *q;  /* [M][K] */
+    float *d, *s; /* [M][K / 32] */
+} Rows8;
+
+static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
+    Rows8 r = {malloc(M * K + 64), malloc(M * (K / 32) * sizeof(float)), malloc(M * (K / 32) * sizeof(float))};
+#pragma omp parallel for schedule(static) if (M > 16)
+    for (int64_t i = 0; i < M * (K / 32); i++) {
+        const int64_t m = i / (K / 32), G = i % (K / 32);
+        const float *xg = x + m * ldx + G * 32;
+        float amax = 0, sum = 0;
+        for (int k = 0; k < 32; k++) {
+            amax = fmaxf(amax, fabsf(xg[k]));
+            sum += xg[k];
+        }
+        const float d = amax / 127, id = d > 0 ? 1 / d : 0;
+        for (int k = 0; k < 32; k++) r.q[m * K + G * 32 + k] = (int8_t)roundf(xg[k] * id);
+        r.d[i] = d;
+        r.s[i] = sum;
+    }
+    return r;
+}
+
+static void rows8_free(Rows8 r) {
+    free(r.q);
+    free(r.d);
+    free(r.s);
+}
+
+#if defined(__AVX2__)
+/* t[m][:] = rows 0..mr of x (rounded: r, from row m0) times one panel, the dot way, 8
+   columns at a time: a group's codes are loaded (and split into halves) once for the mr rows,
+   each row's products summed as integers, one 32-bit lane a column, then scaled into its
+   fp32 sum, in group order. 4 bits: unsigned codes times xq by maddubs, the 8 products of a
+   16-bit lane pair within 16 bits (8 x 2 x 15 x 127 < 32767), widened once a group; 8 bits,
+   |q| <= 128: maddubs of |q| and xq carrying q's sign (llama.cpp's way), widened at once. */
+INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
+                  const float *scales, float t[MR][NR]) {
+    const int64_t gb = group_codes(bits), ng = K / 32;
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int col = 0; col < NR; col += 8) {
+        __m256 a[QR];
+        for (int m = 0; m < mr; m++) a[m] = _mm256_setzero_ps();
+        for (int64_t G = 0; G < ng; G++) {
+            const uint8_t *cg = codes + G * gb + col * 4;
+            if (col == 0) prefetch_group(bits, codes, scales, G);
+            __m256i s[QR];
+            for (int m = 0; m < mr; m++) s[m] = _mm256_setzero_si256();
+            for (int q = 0; q < (bits == 4 ? 4 : 8); q++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(cg + q * NR * 4));
+                if (bits == 4) {
+                    const __m256i lo = _mm256_and_si256(c, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                    for (int m = 0; m < mr; m++) {
+                        const int8_t *xq = r.q + (m0 + m) * K + G * 32 + 8 * q;
+                        int32_t xl, xh;
+                        memcpy(&xl, xq, 4);
+                        memcpy(&xh, xq + 4, 4);
+                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+                        s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                    }
+                } else {
+                    const __m256i u = _mm256_abs_epi8(c);
+                    for (int m = 0; m < mr; m++) {
+                        int32_t xv;
+                        memcpy(&xv, r.q + (m0 + m) * K + G * 32 + 4 * q, 4);
+                        const __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(xv), c));
+                        s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+            const __m256 d = _mm256_loadu_ps(scales + 2 * G * NR + col);
+            const __m256 o = _mm256_loadu_ps(scales + (2 * G + 1) * NR + col);
+            for (int m = 0; m < mr; m++) {
+                const int64_t i = (m0 + m) * ng + G;
+                const __m256i sum = bits == 4 ? _mm256_madd_epi16(s[m], ones) : s[m];
+                a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(r.d[i])), a[m]);
+                a[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(r.s[i]), a[m]);
+            }
+        }
+        for (int m = 0; m < mr; m++) _mm256_storeu_ps(t[m] + col, a[m]);
+    }
+}
+#else
+/* The dot way without AVX2: the same sums, one column at a time */
+INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
+                  const float *scales, float t[MR][NR]) {
+    const int64_t gb = group_codes(bits), ng = K / 32;
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < NR; j++) {
+            float a = 0;
+            for (int64_t G = 0; G < ng; G++) {
+                const int64_t i = (m0 + m) * ng + G;
+                const int8_t *xq = r.q + (m0 + m) * K + G * 32;
+                int32_t sum = 0;
+                for (int k = 0; k < 32; k++) {
+                    const uint8_t *c = codes + G * gb + j * 4;
+                    const int q = bits == 4 ? (c[(k / 8) * NR * 4 + k % 4] >> (4 * (k % 8 / 4))) & 15
+                                            : (int8_t)c[(k / 4) * NR * 4 + k % 4];
+                    sum += q * xq[k];
+                }
+                a = fmaf((float)sum, scales[2 * G * NR + j] * r.d[i], a);
+                a = fmaf(scales[(2 * G + 1) * NR + j], r.s[i], a);
+            }
+            t[m][j] = a;
+        }
+}
+#endif
+
+/* qtile() and dtile() with mr and bits constants in each case, so their loops unroll into
+   registers */
 static void qtile_rows(int mr, int bits, const float *x, int64_t ldx, const uint8_t *codes,
                        const float *scales, int64_t K, float t[MR][NR]) {
 #define CASE(R) case R: { \
@@ -120,56 +235,80 @@ static void qtile_rows(int mr, int bits, const float *x, int64_t ldx, const uint
 #undef CASE
 }
 
+static void dtile_rows(int mr, int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
+                       const float *scales, float t[MR][NR]) {
+#define CASE(R) case R: { \
+        if (bits == 4) dtile(R, 4, r, m0, K, codes, scales, t); \
+        else dtile(R, 8, r, m0, K, codes, scales, t); \
+        break; }
+    switch (mr) {
+    CASE(1) CASE(2) CASE(3)
+    default: CASE(QR)
+    }
+#undef CASE
+}
+
 /* w [kc][NR] = the panel's weights k0 .. k0 + kc (k0 and kc whole groups of 32) */
 static void dequant(int bits, const uint8_t *codes, const float *scales, int64_t k0, int kc,
                     float *w) {
+    const int64_t gb = group_codes(bits);
     for (int g = 0; g < kc / 32; g++) {
         const int64_t G = k0 / 32 + g;
         for (int v = 0; v < NV; v++) {
             const vf d = load(scales + 2 * G * NR + v * VL), o = load(scales + (2 * G + 1) * NR + v * VL);
             float *out = w + g * 32 * NR + v * VL;
-            if (bits == 8) {
-                for (int k = 0; k < 32; k++)
-                    store(out + k * NR, widen_at(codes + (G * 32 + k) * NR + v * VL) * d + o);
-                continue;
-            }
-            for (int k2 = 0; k2 < 16; k2++) {
-                const vu8 b = bytes_at(codes + (G * 16 + k2) * NR + v * VL);
-                store(out + 2 * k2 * NR, widen(b & 15) * d + o);
-                store(out + (2 * k2 + 1) * NR, widen(b >> 4) * d + o);
+            for (int q = 0; q < (bits == 4 ? 4 : 8); q++) {
+                const vi c = lanes_at(codes + G * gb + (q * NR + v * VL) * 4);
+                for (int b = 0; b < 4; b++) {
+                    if (bits == 8) {
+                        store(out + (4 * q + b) * NR, code8(c, b) * d + o);
+                        continue;
+                    }
+                    store(out + (8 * q + b) * NR, code4(c, b, 0) * d + o);
+                    store(out + (8 * q + 4 + b) * NR, code4(c, b, 1) * d + o);
+                }
             }
         }
     }
 }
 
-/* A decode step's rows: each task a panel (gate_up: gate panel p then up panel p, which come
-   in turn), QR rows at a time. */
-static void run_small(int bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+/* Few rows (exact), or any rows (dot): each task a panel (gate_up: gate panel p then up
+   panel p, which come in turn), QR rows at a time, in passes of rows for the dot way's many. */
+static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx,
                       const uint8_t *codes, const float *scales, int gate_up, int64_t N,
                       const float *bias, float *y, int64_t ldy) {
     const int64_t P = (N + NR - 1) / NR, cb = panel_codes(bits, K), sb = panel_scales(K);
     const int parts = gate_up ? 2 : 1;
+    const Rows8 r = dot ? rows8(x, M, K, ldx) : (Rows8){0};
+    const int64_t R = dot ? (PASS_BYTES / K / QR + 1) * QR : M; /* rows of x8 a pass: in L2 */
+    for (int64_t r0 = 0; r0 < M; r0 += R) {
+        const int64_t end = r0 + R < M ? r0 + R : M;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t c0 = p * NR, nc = N - c0 < NR ? N - c0 : NR, panel = p * parts;
-        for (int64_t m0 = 0; m0 < M; m0 += QR) {
-            const int mr = M - m0 < QR ? (int)(M - m0) : QR;
-            float t[MR][NR], u[MR][NR];
-            qtile_rows(mr, bits, x + m0 * ldx, ldx, codes + panel * cb, scales + panel * sb, K, t);
-            if (gate_up)
-                qtile_rows(mr, bits, x + m0 * ldx, ldx, codes + (panel + 1) * cb,
-                           scales + (panel + 1) * sb, K, u);
-            tile_out(mr, t, gate_up ? u : NULL, bias ? bias + c0 : NULL, y + m0 * ldy + c0, ldy, nc);
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t c0 = p * NR, nc = N - c0 < NR ? N - c0 : NR, panel = p * parts;
+            for (int64_t m0 = r0; m0 < end; m0 += QR) {
+                const int mr = end - m0 < QR ? (int)(end - m0) : QR;
+                float t[MR][NR], u[MR][NR];
+                for (int h = 0; h < parts; h++) {
+                    const uint8_t *c = codes + (panel + h) * cb;
+                    const float *s = scales + (panel + h) * sb;
+                    if (dot) dtile_rows(mr, bits, r, m0, K, c, s, h ? u : t);
+                    else qtile_rows(mr, bits, x + m0 * ldx, ldx, c, s, K, h ? u : t);
+                }
+                tile_out(mr, t, gate_up ? u : NULL, bias ? bias + c0 : NULL, y + m0 * ldy + c0, ldy, nc);
+            }
         }
     }
+    if (dot) rows8_free(r);
 }
 
-/* More rows: every task a panel with every pass of rows, KC k steps in floats at a time. */
-static void run(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
-                const float *scales, int gate_up, int64_t N, const float *bias, float *y,
-                int64_t ldy) {
-    if (M <= SMALL_M) {
-        run_small(bits, x, M, K, ldx, codes, scales, gate_up, N, bias, y, ldy);
+/* More rows, exact: every task a panel with every pass of rows, KC k steps in floats at a
+   time. */
+static void run(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx,
+                const uint8_t *codes, const float *scales, int gate_up, int64_t N, const float *bias,
+                float *y, int64_t ldy) {
+    if (M <= SMALL_M || dot) {
+        run_small(bits, dot, x, M, K, ldx, codes, scales, gate_up, N, bias, y, ldy);
         return;
     }
     const int64_t P = (N + NR - 1) / NR, R = pass_rows(K);
@@ -207,35 +346,37 @@ static void run(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
 }
 
 /* x [M, K] (row stride ldx), codes and scales of ceil(N / NR) panels, bias [N] or NULL,
-   y [M, N] (row stride ldy). K is a multiple of 32; bits 4 or 8. */
-void fanout_quant_linear(int64_t bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+   y [M, N] (row stride ldy). K is a multiple of 32; bits 4 or 8; dot 0 (exact) or 1. */
+void fanout_quant_linear(int64_t bits, int64_t dot, const float *x, int64_t M, int64_t K, int64_t ldx,
                          const uint8_t *codes, const float *scales, int64_t N, const float *bias,
                          float *y, int64_t ldy) {
-    run((int)bits, x, M, K, ldx, codes, scales, 0, N, bias, y, ldy);
+    run((int)bits, (int)dot, x, M, K, ldx, codes, scales, 0, N, bias, y, ldy);
 }
 
 /* y = silu(x Wg^T) * (x Wu^T), y [M, N]; the panels of the two weights interleaved, gate p
    then up p. */
-void fanout_quant_silu_mul(int64_t bits, const float *x, int64_t M, int64_t K, int64_t ldx,
+void fanout_quant_silu_mul(int64_t bits, int64_t dot, const float *x, int64_t M, int64_t K, int64_t ldx,
                            const uint8_t *codes, const float *scales, int64_t N, float *y,
                            int64_t ldy) {
-    run((int)bits, x, M, K, ldx, codes, scales, 1, N, NULL, y, ldy);
+    run((int)bits, (int)dot, x, M, K, ldx, codes, scales, 1, N, NULL, y, ldy);
 }
 
 /* out [n, K] = rows ids[0..n) of W (the weight's output columns: an embedding table's
    lookup, from the same panels as its tied lm_head), each weight q * d + o as above. */
 void fanout_quant_rows(int64_t bits, const uint8_t *codes, const float *scales, int64_t K,
                        const int64_t *ids, int64_t n, float *out) {
-    const int64_t cb = panel_codes((int)bits, K), sb = panel_scales(K);
+    const int64_t cb = panel_codes((int)bits, K), sb = panel_scales(K), gb = group_codes((int)bits);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const int64_t p = ids[i] / NR, j = ids[i] % NR;
-        const uint8_t *c = codes + p * cb;
+        const uint8_t *c = codes + p * cb + j * 4;
         const float *s = scales + p * sb;
         float *o = out + i * K;
         for (int64_t k = 0; k < K; k++) {
-            const uint8_t b = bits == 8 ? c[k * NR + j] : c[(k / 2) * NR + j];
-            const float q = (float)(bits == 8 ? b : k % 2 ? b >> 4 : b & 15);
+            const uint8_t *cg = c + (k / 32) * gb;
+            const int kk = k % 32;
+            const float q = bits == 8 ? (float)(int8_t)cg[(kk / 4) * NR * 4 + kk % 4]
+                                      : (float)((cg[(kk / 8) * NR * 4 + kk % 4] >> (4 * (kk % 8 / 4))) & 15);
             o[k] = __builtin_fmaf(q, s[(k / 32) * 2 * NR + j], s[((k / 32) * 2 + 1) * NR + j]);
         }
     }

@@ -51,8 +51,8 @@ class Quantized:
         return self.q.numel() * self.bits // 8 + 8 * self.d.numel()
 
     def offset(self) -> torch.Tensor:
-        """o in the kernel's weight q * d + o (cpu_quant.c), its codes unsigned: exact."""
-        return {0: self.m, 1: -8 * self.d, 2: -128 * self.d}[self.kind]
+        """o in the kernel's weight q * d + o (cpu_quant.c): exact."""
+        return {0: self.m, 1: -8 * self.d, 2: torch.zeros_like(self.d)}[self.kind]
 
     def rows(self, index: torch.Tensor) -> Quantized:
         return Quantized(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
@@ -117,12 +117,14 @@ def _quantized(kind: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) ->
 @dataclass(slots=True)
 class QPanels:
     """A quantized weight [n, k] in the kernel's panels (cpu_quant.c): codes [panels, ...]
-    and scales [panels, k / 32, 2, NR] (gate/up: their panels in turn)."""
+    and scales [panels, k / 32, 2, NR] (gate/up: their panels in turn). `dot`: x rounded to
+    8 bits for integer products (quantization q8), else exact fp32 products."""
     bits: int
     codes: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
+    dot: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -142,8 +144,8 @@ def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
     return cpu_build.functions("cpu_quant", _fns, {
         "nr": ("fanout_quant_nr", [], I64),
-        "linear": ("fanout_quant_linear", [I64, P, I64, I64, I64, P, P, I64, P, P, I64]),
-        "silu_mul": ("fanout_quant_silu_mul", [I64, P, I64, I64, I64, P, P, I64, P, I64]),
+        "linear": ("fanout_quant_linear", [I64, I64, P, I64, I64, I64, P, P, I64, P, P, I64]),
+        "silu_mul": ("fanout_quant_silu_mul", [I64, I64, P, I64, I64, I64, P, P, I64, P, I64]),
         "rows": ("fanout_quant_rows", [I64, P, P, I64, P, I64, P])})
 
 
@@ -161,36 +163,36 @@ def _panels(w: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
         out[:n] = t
         return out
 
-    q = pad(w.q).view(-1, nr, k)  # [panels, NR, k]
-    if w.kind == 2:
-        codes = (q ^ 0x80).transpose(1, 2).contiguous()  # [panels, k, NR], int8 q + 128
-    else:
-        pairs = q.view(-1, nr, k // 2, 2)
-        codes = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()  # [panels, k/2, NR]
+    q = pad(w.q).view(-1, nr, k // GROUP, GROUP)  # [panels, NR, groups, 32]
+    if w.kind == 2:  # [panels, groups, 8, NR, 4]: k = 32 G + 4 t + b, signed bytes
+        codes = q.view(-1, nr, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    else:  # [panels, groups, 4, NR, 4]: k = 32 G + 8 t + b in the low half, + 4 in the high
+        eights = q.view(-1, nr, k // GROUP, 4, 2, 4)
+        codes = (eights[..., 0, :] | (eights[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     scales = torch.stack([pad(s).view(-1, nr, k // GROUP) for s in (w.d, w.offset())], dim=2)  # [panels, NR, 2, G]
     return codes, scales.permute(0, 3, 2, 1).contiguous()
 
 
-def pack(w: Quantized) -> QPanels:
+def pack(w: Quantized, dot: bool = False) -> QPanels:
     """A quantized weight [n, k] (call load() first)."""
-    return QPanels(w.bits, *_panels(w), *w.shape)
+    return QPanels(w.bits, *_panels(w), *w.shape, dot)
 
 
-def pack_gate_up(gate: Quantized, up: Quantized) -> QPanels:
+def pack_gate_up(gate: Quantized, up: Quantized, dot: bool = False) -> QPanels:
     """The MLP's gate and up, their panels interleaved for `silu_mul`."""
     if gate.bits != up.bits:
         raise ValueError("cpu_quant: gate and up of different widths")
     (gc, gs), (uc, us) = _panels(gate), _panels(up)
     codes = torch.stack([gc, uc], dim=1).flatten(0, 1).contiguous()
     scales = torch.stack([gs, us], dim=1).flatten(0, 1).contiguous()
-    return QPanels(gate.bits, codes, scales, *gate.shape)
+    return QPanels(gate.bits, codes, scales, *gate.shape, dot)
 
 
 def linear(x: torch.Tensor, w: QPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] float32 -> x W^T (+ bias) [m, n]."""
     x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _fns["linear"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
+    _fns["linear"](w.bits, w.dot, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                    w.scales.data_ptr(), w.n, None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
     return y
 
@@ -199,7 +201,7 @@ def silu_mul(x: torch.Tensor, w: QPanels) -> torch.Tensor:
     """x [m, k] float32 -> silu(x Wg^T) * (x Wu^T) [m, n], w from pack_gate_up."""
     x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _fns["silu_mul"](w.bits, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
+    _fns["silu_mul"](w.bits, w.dot, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
                      w.scales.data_ptr(), w.n, y.data_ptr(), w.n)
     return y
 

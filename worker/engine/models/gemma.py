@@ -101,11 +101,11 @@ class GemmaLM(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out.float()
 
-    def pack_weights(self, fuse_mlp: bool = True) -> None:
+    def pack_weights(self, fuse_mlp: bool = True, dot: bool = False) -> None:
         """Every projection from the C kernel's panels (llama.py's CausalLM.pack_weights; the
         GELU MLP keeps gate and up one product)."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(dot)
         if self.cfg.tie_word_embeddings:
             self.tied_head = cpu_linear.pack(self.embed_tokens.weight)

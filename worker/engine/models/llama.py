@@ -42,9 +42,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     return F.linear(x, weight, bias) if packed is None else packed.matmul(x, bias)
 
 
-def pack(weight: torch.Tensor, quant: cpu_quant.Quantized | None) -> Packed:
-    """A weight in its kernel's panels: its codes where the loader kept them (loader.py)."""
-    return cpu_linear.pack(weight) if quant is None else cpu_quant.pack(quant)
+def pack(weight: torch.Tensor, quant: cpu_quant.Quantized | None, dot: bool = False) -> Packed:
+    """A weight in its kernel's panels: its codes where the loader kept them (loader.py),
+    multiplied the dot way (cpu_quant.c) where `dot`."""
+    return cpu_linear.pack(weight) if quant is None else cpu_quant.pack(quant, dot)
 
 
 class Linear(nn.Linear):
@@ -58,8 +59,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.reduce = reduce
 
-    def pack(self) -> None:
-        self.packed = pack(self.weight, self.quant)
+    def pack(self, dot: bool = False) -> None:
+        self.packed = pack(self.weight, self.quant, dot)
         self.weight = self.quant = None  # the packed copy replaces them
 
     def quantize(self, fmt: str) -> None:
@@ -190,7 +191,7 @@ class MLP(nn.Module):
         self.gate_up: Packed | None = None  # both, packed (pack())
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def pack(self) -> None:
+    def pack(self, dot: bool = False) -> None:
         """Gate and up as one kernel call that writes silu(gate) * up: no [T, 2 x
         intermediate] product and no elementwise passes over it (a 2,048-token chunk of
         SmolLM2 with oneDNN: the MLP's first half 58 -> 48 ms once fused). Without a bias
@@ -201,7 +202,7 @@ class MLP(nn.Module):
         if q is None:
             self.gate_up = cpu_linear.pack_gate_up(*self.gate_up_proj.weight.chunk(2))
         else:
-            self.gate_up = cpu_quant.pack_gate_up(q.rows(slice(0, half)), q.rows(slice(half, None)))
+            self.gate_up = cpu_quant.pack_gate_up(q.rows(slice(0, half)), q.rows(slice(half, None)), dot)
         self.gate_up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,25 +275,26 @@ class CausalLM(nn.Module):
             out = self.lm_head(hidden)
         return self.embed_tokens.gather(out, self.cfg.vocab_size).float()
 
-    def pack_weights(self, fuse_mlp: bool = True) -> None:
+    def pack_weights(self, fuse_mlp: bool = True, dot: bool = False) -> None:
         """Every matmul from the kernel's panels (see the module docstring; the caller checks
         cpu_linear.load()); tied embeddings get a packed copy for the lm_head, the lookup
         keeps the dense table (quantized: both read the panels of the codes the loader kept;
         it checked cpu_quant.load()). The norms, RoPE and K/V stores go through cpu_pointwise where
         it builds (not under qk_norm, which comes between the projection and RoPE).
-        `fuse_mlp` False keeps gate and up one plain product (LoRA adapters add to each)."""
+        `fuse_mlp` False keeps gate and up one plain product (LoRA adapters add to each);
+        `dot`: the codes multiplied the dot way (quantization q8: cpu_quant.c)."""
         if cpu_pointwise.load():
             for layer in self.layers:
                 layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
                 layer.self_attn.fused = not self.cfg.qk_norm
             self.norm.fused = True
         for m in [m for m in self.modules() if isinstance(m, MLP)] if fuse_mlp else []:
-            m.pack()  # first: it takes gate_up_proj apart
+            m.pack(dot)  # first: it takes gate_up_proj apart
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack()
+                m.pack(dot)
         embed = self.embed_tokens
         if embed.quant is not None:  # the lookup reads the panels too: no dense table
-            embed.packed, embed.weight, embed.quant = cpu_quant.pack(embed.quant), None, None
+            embed.packed, embed.weight, embed.quant = cpu_quant.pack(embed.quant, dot), None, None
         if self.cfg.tie_word_embeddings:
             self.tied_head = embed.packed or cpu_linear.pack(embed.weight)

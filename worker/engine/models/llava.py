@@ -137,8 +137,8 @@ class VisionLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.logits(hidden)
 
-    def pack_weights(self) -> None:
-        self.language_model.pack_weights()  # the vision tower runs once per image: left dense
+    def pack_weights(self, dot: bool = False) -> None:
+        self.language_model.pack_weights(dot=dot)  # the vision tower runs once per image: left dense
 
 
 class LlavaLM(VisionLM):
