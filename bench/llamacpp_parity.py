@@ -69,8 +69,16 @@ def main() -> None:
         print(row, flush=True)
     equal = sum(r["equal"] for r in rows)
     print(f"\nquantization {args.quantization}: equal to llama.cpp: {equal}/{len(rows)}")
-    save("llamacpp_parity", {"model": path, "quantization": args.quantization, "tokens": TOKENS, "equal": equal,
-                             "of": len(rows), "rows": rows})
+    out = {"model": path, "quantization": args.quantization, "tokens": TOKENS, "equal": equal, "of": len(rows),
+           "rows": rows}
+    if args.quantization != "auto":  # and to the exact products' tokens, on the same codes
+        exact = [it.samples[0].token_ids for it in Engine(path).generate(input_ids=chats, sampling_params=sp)]
+        parts = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, exact)]
+        out["equal_to_auto"] = sum(p is None for p in parts)
+        out["first_differ_from_auto"] = parts
+        print(f"quantization {args.quantization}: equal to auto's: {out['equal_to_auto']}/{len(rows)} "
+              f"(first differing token: {parts})")
+    save("llamacpp_parity", out)
 
 
 if __name__ == "__main__":

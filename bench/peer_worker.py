@@ -5,7 +5,8 @@ the generation.
     python bench/peer_worker.py ENGINE MODEL [--threads N]
 
 ENGINE is fanout (fp32; fanout-overlap: with overlap_schedule; fanout-codes: the file's
-quantized matrices kept as codes), transformers, vllm or llamacpp
+quantized matrices kept as codes; fanout-q8: and multiplied by activations rounded to 8
+bits), transformers, vllm or llamacpp
 (llamacpp-plain: its weights not repacked); MODEL the GGUF file (fanout, llamacpp) or
 the fp32 Hugging Face folder (transformers, vllm). Protocol, one JSON object a line:
 stdin {"prompts": [[ids], ...], "max_new_tokens": M, "n": N, "temperature": T, "seed": S};
@@ -86,6 +87,12 @@ class FanoutCodes(Fanout):
     """The GGUF's quantized matrices kept as their codes (kernels/cpu_quant.c): the same
     outputs as fp32, from a fifth of the bytes."""
     quantization = "auto"
+
+
+class FanoutQ8(Fanout):
+    """The codes multiplied as llama.cpp does (quantization q8): activations rounded to 8 bits
+    per 32 for integer products; outputs near the exact ones."""
+    quantization = "q8"
 
 
 class Transformers:
@@ -218,7 +225,7 @@ class LlamaCppPlain(LlamaCpp):
     repack = False
 
 
-ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "fanout-codes": FanoutCodes, "transformers": Transformers,
+ENGINES = {"fanout": Fanout, "fanout-overlap": FanoutOverlap, "fanout-codes": FanoutCodes, "fanout-q8": FanoutQ8, "transformers": Transformers,
            "vllm": Vllm, "llamacpp": LlamaCpp, "llamacpp-plain": LlamaCppPlain}
 
 

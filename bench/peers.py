@@ -7,7 +7,9 @@
 PY is the python of a venv that has the peer (they are big, and vLLM pins its own torch):
 docs/benchmarks.md, "Peers on the same CPU", says how to build both. Model:
 SmolLM2-135M-Instruct, the demo GGUF. Fanout loads the GGUF as shipped, twice: dequantized
-to fp32, and with its Q4_1 matrices and Q8_0 embeddings kept as codes (the same outputs);
+to fp32, with its Q4_1 matrices and Q8_0 embeddings kept as codes (the same outputs), and
+with those codes multiplied by activations rounded to 8 bits (`--quantization q8`, as
+llama.cpp does; outputs near, not equal);
 transformers and vLLM an fp32 Hugging Face folder written from it (by transformers' GGUF
 loader); llama.cpp both an F32 GGUF written from the dequantized weights and the Q4_1 file as
 shipped. Every engine gets the same prompt token ids (chats rendered by the model's template
@@ -189,7 +191,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(hf)
     me = sys.executable
     specs = [("Fanout, fp32", me, "fanout", gguf, None),
-             ("Fanout, Q4_1 codes (Q8_0 embeddings)", me, "fanout-codes", gguf, None)]
+             ("Fanout, Q4_1 codes (Q8_0 embeddings)", me, "fanout-codes", gguf, None),
+             ("Fanout, Q4_1 codes, q8 products", me, "fanout-q8", gguf, None)]
     if args.overlap:
         specs.append(("Fanout, fp32, overlap", me, "fanout-overlap", gguf, None))
     if not args.no_transformers:

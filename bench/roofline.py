@@ -4,12 +4,13 @@ weight of the model, so its floor is the weights' bytes over the bandwidth the m
     python bench/roofline.py                      # the demo GGUF (SmolLM2-135M, Q4_1), batches 1,2,4,8
     python bench/roofline.py --batches 1,8 --tokens 64 --repeats 3 --formats auto,q8,none
 
-An engine a format on the same file, one after the other (--formats, EngineConfig.quantization):
+An engine a format on the same file, their runs interleaved (--formats, EngineConfig.quantization):
 its weights kept quantized with exact fp32 products (auto, the default: kernels/cpu_quant.c),
 kept quantized with the activations rounded to 8 bits for integer products (q8), and
 dequantized to fp32 (none). For each batch size, that many
 requests of 16 prompt tokens decode --tokens new tokens (greedy, ignore_eos); the steps
-timed are those in which every request decodes (after the prefill), best of --repeats.
+timed are those in which every request decodes (after the prefill): a run's median step,
+the best of --repeats runs.
 
 A step reads the weights in memory (ModelRunner.mem["weights"]) and the batch's KV cache
 (the tokens it holds x bytes per token); bytes / step time is the rate it reached. The
@@ -74,21 +75,32 @@ def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
     return times[len(times) // 2], 16 + tokens // 2
 
 
-def run_engine(path: str, fmt: str, batches: list[int], tokens: int, repeats: int) -> list[dict]:
-    engine = Engine(path, config=EngineConfig(device="cpu", quantization=fmt, max_running=max(batches)))
-    c = engine.runner.config
-    per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
-    weights = engine.runner.mem["weights"]
-    decode(engine, 2, 8)  # warm-up
+def measure(path: str, formats: list[str], batches: list[int], tokens: int, repeats: int) -> list[dict]:
+    """Every format's engine loaded at once, their runs interleaved (for each repeat and batch,
+    each format in turn), so a burst of load elsewhere on the machine falls on all of them."""
+    engines = {f: Engine(path, config=EngineConfig(device="cpu", quantization=f, max_running=max(batches)))
+               for f in formats}
+    best: dict[tuple[str, int], tuple[float, int]] = {}
+    for engine in engines.values():
+        decode(engine, 2, 8)  # warm-up
+    for _ in range(repeats):
+        for b in batches:
+            for f, engine in engines.items():
+                run = decode(engine, b, tokens)
+                best[f, b] = min(best.get((f, b), run), run)
     rows = []
-    for b in batches:
-        best, held = min(decode(engine, b, tokens) for _ in range(repeats))
-        step_bytes = weights + b * held * per_token
-        rows.append({"format": fmt, "batch": b, "weights_mb": round(weights / 1e6, 1),
-                     "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(best * 1e3, 2),
-                     "tok_s": round(b / best, 1), "gb_s": round(step_bytes / best / GB, 1)})
-        print(rows[-1], flush=True)
-    del engine
+    for f, engine in engines.items():
+        c = engine.runner.config
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+        weights = engine.runner.mem["weights"]
+        for b in batches:
+            step, held = best[f, b]
+            step_bytes = weights + b * held * per_token
+            rows.append({"format": f, "batch": b, "weights_mb": round(weights / 1e6, 1),
+                         "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(step * 1e3, 2),
+                         "tok_s": round(b / step, 1), "gb_s": round(step_bytes / step / GB, 1)})
+            print(rows[-1], flush=True)
+    del engines
     gc.collect()
     return rows
 
@@ -106,9 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     before = bandwidth(args.gib)
     print("machine before:", before, flush=True)
-    rows = []
-    for fmt in args.formats.split(","):
-        rows += run_engine(path, fmt, batches, args.tokens, args.repeats)
+    rows = measure(path, args.formats.split(","), batches, args.tokens, args.repeats)
     after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
     read = max(before["read_gb_s"], after["read_gb_s"])

@@ -172,6 +172,10 @@ class ModelRunner:
             # The C matmul kernel's panels (fp32 only); with adapters (a CausalLM's), gate and up unfused.
             self.model.pack_weights(**({"dot": cfg.quantization == "q8"} if self.loras is None
                                        else {"fuse_mlp": False}))
+        if cfg.quantization == "q8" and not any(getattr(m, "packed", None) is not None and
+                                                getattr(m.packed, "dot", False) for m in self.model.modules()):
+            log.warning("quantization q8: %s has no Q4_0, Q4_1, Q4_K or Q8_0 matrices kept as codes: "
+                        "its matmuls run in float32", model_path)
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0
