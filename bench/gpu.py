@@ -221,7 +221,7 @@ def kernel_checks(dev, cfg):
             ref = (x.float() @ q.dequantize().T).to(dtype)
             rows.append(dict(kernel=f"w8_linear {fmt}", dtype=str(dtype).removeprefix("torch."), heads="300 x 256",
                              page=0, **_close(w8_linear.linear(x, q), ref, dtype,
-                                              scale=(x.float().abs() @ q.dequantize().abs().T).to(dtype).float())))
+                                              scale=x.float().abs() @ q.dequantize().abs().T)))
     sync(dev)
     return rows
 

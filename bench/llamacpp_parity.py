@@ -28,6 +28,11 @@ from worker.engine.models.demo import fetch_demo_model  # noqa: E402
 TOKENS = 48
 
 
+def first_differ(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists part, None where they do not."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llamacpp", metavar="PY", required=True, help="python of a venv with llama-cpp-python")
@@ -57,7 +62,7 @@ def main() -> None:
     ours = [it.samples[0].token_ids for it in engine.generate(input_ids=chats, sampling_params=sp)]
     rows = []
     for i, (prompt, a, b) in enumerate(zip(chats, ours, theirs)):
-        at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        at = first_differ(a, b)
         row = {"chat": i, "prompt_tokens": len(prompt), "equal": at is None}
         if at is not None:
             (start, logits), = engine.prompt_logits([prompt + a[:at]])
@@ -73,7 +78,7 @@ def main() -> None:
            "rows": rows}
     if args.quantization != "auto":  # and to the exact products' tokens, on the same codes
         exact = [it.samples[0].token_ids for it in Engine(path).generate(input_ids=chats, sampling_params=sp)]
-        parts = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, exact)]
+        parts = [first_differ(a, b) for a, b in zip(ours, exact)]
         out["equal_to_auto"] = sum(p is None for p in parts)
         out["first_differ_from_auto"] = parts
         print(f"quantization {args.quantization}: equal to auto's: {out['equal_to_auto']}/{len(rows)} "

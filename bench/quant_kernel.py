@@ -12,7 +12,7 @@ Two settings, each the best of 5 passes of the mean call time:
   arithmetic;
 - from memory: 150 copies of the weight called in turn (~100 MB of codes, past every cache),
   as a decode step reads its model; the rate is the weight's bytes over the time.
-Random codes and scales (tests/test_quant.py's blocks); the timings include the Python call.
+Random codes and scales; the timings include the Python call.
 
 Results: stdout and bench/out/quant_kernel.json.
 """
@@ -33,17 +33,20 @@ from bench.out_file import save  # noqa: E402
 from worker.engine.kernels import cpu_linear, cpu_quant  # noqa: E402
 
 SHAPES = {"gate/up": (1536, 576), "down": (576, 1536)}
-BLOCK = {"Q4_1": (32, 20, [0, 2]), "Q8_0": (32, 34, [0]), "Q4_0": (32, 18, [0])}
+# Weights per block, bytes per block, and where its f16 scales lie.
+BLOCKS = {"Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q8_0": (32, 34, [0]), "Q4_K": (256, 144, [0, 2])}
 COPIES = 150
 
 
-def random_weight(type_name: str, n: int, k: int) -> cpu_quant.Quantized:
-    size, nbytes, scales = BLOCK[type_name]
-    rng = np.random.default_rng(0)
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of that type, [n, bytes per row], each scale a small finite number
+    (tests/test_quant.py reads them too)."""
+    size, nbytes, scales = BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
     for at in scales:
         blocks[:, at:at + 2] = rng.uniform(0.001, 0.05, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return cpu_quant.from_blocks(type_name, blocks.reshape(n, -1), n, k)
+    return blocks.reshape(n, -1)
 
 
 def best_call(fn, weights: list, x: torch.Tensor, calls: int) -> float:
@@ -61,7 +64,7 @@ def best_call(fn, weights: list, x: torch.Tensor, calls: int) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default="Q4_1,Q8_0", help=f"of {', '.join(BLOCK)}")
+    ap.add_argument("--types", default="Q4_1,Q8_0", help=f"of {', '.join(BLOCKS)}")
     ap.add_argument("--rows", default="1,8,64,512")
     ap.add_argument("--copies", type=int, default=COPIES, help="weights called in turn, from memory")
     args = ap.parse_args(argv)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for type_name in args.types.split(","):
         for shape, (n, k) in SHAPES.items():
-            w = random_weight(type_name, n, k)
+            w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
             ways = {"exact": (cpu_quant.linear, cpu_quant.pack(w)), "dot": (cpu_quant.linear, cpu_quant.pack(w, dot=True)),
                     "fp32": (cpu_linear.linear, cpu_linear.pack(w.dequantize()))}
             for m in [int(r) for r in args.rows.split(",")]:

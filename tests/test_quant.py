@@ -5,23 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from bench.quant_kernel import random_blocks
 from worker.engine.kernels import cpu_linear, cpu_quant
 
 pytestmark = pytest.mark.skipif(not (cpu_quant.load() and cpu_linear.load()), reason="no C compiler")
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
-# Bytes per block, and where its f16 scales lie (each made a finite number).
-BLOCKS = {"Q4_0": (32, 18, [0]), "Q4_1": (32, 20, [0, 2]), "Q8_0": (32, 34, [0]), "Q4_K": (256, 144, [0, 2])}
-
-
-def random_tensor(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random blocks of that type, [n, bytes per row], scales finite and small."""
-    size, nbytes, scales = BLOCKS[type_name]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
-    for at in scales:
-        blocks[:, at:at + 2] = rng.uniform(0.001, 0.05, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n, -1)
 
 
 def reference(type_name: str, data: np.ndarray, n: int, k: int) -> torch.Tensor:
@@ -32,7 +21,7 @@ def reference(type_name: str, data: np.ndarray, n: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("type_name", TYPES)
 def test_blocks_read_as_gguf_dequantizes_them(type_name):
     n, k = 40, 512
-    data = random_tensor(type_name, n, k)
+    data = random_blocks(type_name, n, k)
     w = cpu_quant.from_blocks(type_name, data, n, k)
     assert torch.equal(w.dequantize(), reference(type_name, data, n, k))
 
@@ -43,7 +32,7 @@ def test_the_kernel_equals_the_fp32_kernel_on_the_dequantized_weight(type_name, 
     """K = 288 (a 32-weight group past the kernel's 64-step pieces), N = 100 (a partial
     panel): each output float equals cpu_linear's, so a row's output is the same in any batch."""
     n, k = 100, 288 if type_name != "Q4_K" else 512
-    w = cpu_quant.from_blocks(type_name, random_tensor(type_name, n, k), n, k)
+    w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
     x = torch.randn(rows, k)
     bias = torch.randn(n)
     dense = w.dequantize()
@@ -76,7 +65,7 @@ def test_the_dot_way_is_llamacpps_rounding_and_batch_free(type_name, rows):
     float alone as in its batch; and near the exact product (the rounding of x costs ~1% of
     the outputs' scale on random weights)."""
     n, k = 100, 288 if type_name != "Q4_K" else 512
-    w = cpu_quant.from_blocks(type_name, random_tensor(type_name, n, k), n, k)
+    w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0  # a group of zeros: scale 0
     bias = torch.randn(n)
@@ -91,8 +80,8 @@ def test_the_dot_way_is_llamacpps_rounding_and_batch_free(type_name, rows):
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_gate_and_up_in_one_call(type_name):
     n, k = 100, 256
-    gate = cpu_quant.from_blocks(type_name, random_tensor(type_name, n, k, seed=1), n, k)
-    up = cpu_quant.from_blocks(type_name, random_tensor(type_name, n, k, seed=2), n, k)
+    gate = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k, seed=1), n, k)
+    up = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k, seed=2), n, k)
     x = torch.randn(13, k)
     want = cpu_linear.silu_mul(x, cpu_linear.pack_gate_up(gate.dequantize(), up.dequantize()))
     assert torch.equal(cpu_quant.silu_mul(x, cpu_quant.pack_gate_up(gate, up)), want)
@@ -108,7 +97,7 @@ def test_gate_and_up_in_one_call(type_name):
 def test_rows_are_the_dequantized_rows(type_name):
     """An embedding lookup from the lm_head's panels."""
     n, k = 100, 256
-    w = cpu_quant.from_blocks(type_name, random_tensor(type_name, n, k), n, k)
+    w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
     ids = torch.tensor([0, 99, 47, 48, 47])
     assert torch.equal(cpu_quant.rows(ids, cpu_quant.pack(w)), w.dequantize()[ids])
     with pytest.raises(IndexError, match=r"\[0, 100\)"):
@@ -118,13 +107,13 @@ def test_rows_are_the_dequantized_rows(type_name):
 def test_rows_permuted_and_joined_stay_exact():
     """The loader permutes Llama's q/k rows and joins gate and up, on the codes."""
     n, k = 64, 128
-    a = cpu_quant.from_blocks("Q4_1", random_tensor("Q4_1", n, k, seed=3), n, k)
-    b = cpu_quant.from_blocks("Q4_1", random_tensor("Q4_1", n, k, seed=4), n, k)
+    a = cpu_quant.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=3), n, k)
+    b = cpu_quant.from_blocks("Q4_1", random_blocks("Q4_1", n, k, seed=4), n, k)
     perm = torch.randperm(n)
     assert torch.equal(a.rows(perm).dequantize(), a.dequantize()[perm])
     assert torch.equal(cpu_quant.Quantized.cat([a, b]).dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     with pytest.raises(ValueError, match="different kinds"):
-        cpu_quant.Quantized.cat([a, cpu_quant.from_blocks("Q8_0", random_tensor("Q8_0", n, k), n, k)])
+        cpu_quant.Quantized.cat([a, cpu_quant.from_blocks("Q8_0", random_blocks("Q8_0", n, k), n, k)])
 
 
 def test_eight_bit_weights_are_the_gpus(llama_path):
@@ -136,7 +125,7 @@ def test_eight_bit_weights_are_the_gpus(llama_path):
         Engine(llama_path, quantization="int8")
     with pytest.raises(ValueError, match=r"quantization: unknown 'int4' \(use one of auto, q8, none, int8, fp8\)"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="quantization q8: .* run on a CPU in float32, one rank, without LoRA"):
+    with pytest.raises(ValueError, match=r"quantization q8: the codes' products run on a CPU in float32, this is cpu in bfloat16 \(on a GPU"):
         Engine(llama_path, quantization="q8", dtype="bfloat16")
 
 

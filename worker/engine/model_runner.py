@@ -70,16 +70,18 @@ def cpu_kv_tokens(per_token: int, max_running: int, max_context: int,
     return cap, bound
 
 
-def check_q8(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """q8 rounds activations for the CPU kernel's integer products over a GGUF's codes."""
-    where = "a CPU in float32, one rank, without LoRA adapters"
+def codes_unkept(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, tp: TP) -> str | None:
+    """Why a GGUF's quantized matrices cannot stay as codes here (the CPU kernels multiply by
+    them in fp32; adapters add to the dense products; codes are not split over ranks), or
+    None where they can."""
     if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"quantization q8: the integer products over a GGUF's codes run on {where}; "
-                         f"this is {device.type} in {str(dtype).removeprefix('torch.')} (on a GPU: int8 or fp8)")
-    if cfg.lora_slots or cfg.tensor_parallel_size > 1:
-        raise ValueError(f"quantization q8: the integer products over a GGUF's codes run on {where}")
+        return f"the codes' products run on a CPU in float32, this is {device.type} in " \
+               f"{str(dtype).removeprefix('torch.')} (on a GPU: int8 or fp8)"
+    if cfg.lora_slots or tp.size > 1:
+        return "the codes' products run on one rank, without LoRA adapters"
     if not (cpu_linear.load() and cpu_quant.load()):
-        raise ValueError("quantization q8: the CPU kernels could not be built (no C compiler): use auto")
+        return "the CPU kernels could not be built (no C compiler)"
+    return None
 
 
 def check_eight_bit(fmt: str, device: torch.device) -> None:
@@ -129,12 +131,13 @@ class ModelRunner:
         eight_bit = cfg.quantization in ("int8", "fp8")
         if eight_bit:
             check_eight_bit(cfg.quantization, self.device)
-        if cfg.quantization == "q8":
-            check_q8(cfg, self.device, self.dtype)
-        # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them
-        # (fp32, no adapters: those add to the dense products; one rank: codes are not split).
-        codes = (cfg.quantization in ("auto", "q8") and self.device.type == "cpu" and self.dtype == torch.float32
-                 and not cfg.lora_slots and self.tp.size == 1 and cpu_linear.load() and cpu_quant.load())
+        # A GGUF's quantized matrices stay as codes where the CPU kernels can multiply by them;
+        # q8 (their integer products) is refused where they cannot.
+        keep = cfg.quantization in ("auto", "q8")
+        unkept = codes_unkept(cfg, self.device, self.dtype, self.tp) if keep else None
+        if cfg.quantization == "q8" and unkept:
+            raise ValueError(f"quantization q8: {unkept}")
+        codes = keep and unkept is None
         self.model, self.config = load_model(model_path, self.dtype, self.device, quantized=codes, tp=self.tp)
         if eight_bit:
             n = quantize_linears(self.model, cfg.quantization)

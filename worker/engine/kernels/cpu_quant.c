@@ -116,7 +116,7 @@ typedef struct {
 } Rows8;
 
 static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
-    Rows8 r = {malloc(M * K + 64), malloc(M * (K / 32) * sizeof(float)), malloc(M * (K / 32) * sizeof(float))};
+    Rows8 r = {malloc(M * K), malloc(M * (K / 32) * sizeof(float)), malloc(M * (K / 32) * sizeof(float))};
 #pragma omp parallel for schedule(static) if (M > 16)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const int64_t m = i / (K / 32), G = i % (K / 32);
@@ -220,32 +220,19 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
 }
 #endif
 
-/* qtile() and dtile() with mr and bits constants in each case, so their loops unroll into
-   registers */
-static void qtile_rows(int mr, int bits, const float *x, int64_t ldx, const uint8_t *codes,
-                       const float *scales, int64_t K, float t[MR][NR]) {
-#define CASE(R) case R: { \
-        if (bits == 4) qtile(R, 4, x, ldx, codes, scales, K, t); \
-        else qtile(R, 8, x, ldx, codes, scales, K, t); \
-        break; }
+/* QR rows (from m0) times one panel, the dot way (r) or exact (x): qtile() or dtile() with
+   mr and bits constants in each case, so their loops unroll into registers */
+static void small_tile(int mr, int bits, int dot, const float *x, int64_t ldx, Rows8 r, int64_t m0,
+                       int64_t K, const uint8_t *codes, const float *scales, float t[MR][NR]) {
+#define WAY(R, B) (dot ? dtile(R, B, r, m0, K, codes, scales, t) \
+                       : qtile(R, B, x + m0 * ldx, ldx, codes, scales, K, t))
+#define CASE(R) case R: { if (bits == 4) WAY(R, 4); else WAY(R, 8); break; }
     switch (mr) {
     CASE(1) CASE(2) CASE(3)
     default: CASE(QR)
     }
 #undef CASE
-}
-
-static void dtile_rows(int mr, int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
-                       const float *scales, float t[MR][NR]) {
-#define CASE(R) case R: { \
-        if (bits == 4) dtile(R, 4, r, m0, K, codes, scales, t); \
-        else dtile(R, 8, r, m0, K, codes, scales, t); \
-        break; }
-    switch (mr) {
-    CASE(1) CASE(2) CASE(3)
-    default: CASE(QR)
-    }
-#undef CASE
+#undef WAY
 }
 
 /* w [kc][NR] = the panel's weights k0 .. k0 + kc (k0 and kc whole groups of 32) */
@@ -292,8 +279,7 @@ static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, i
                 for (int h = 0; h < parts; h++) {
                     const uint8_t *c = codes + (panel + h) * cb;
                     const float *s = scales + (panel + h) * sb;
-                    if (dot) dtile_rows(mr, bits, r, m0, K, c, s, h ? u : t);
-                    else qtile_rows(mr, bits, x + m0 * ldx, ldx, c, s, K, h ? u : t);
+                    small_tile(mr, bits, dot, x, ldx, r, m0, K, c, s, h ? u : t);
                 }
                 tile_out(mr, t, gate_up ? u : NULL, bias ? bias + c0 : NULL, y + m0 * ldy + c0, ldy, nc);
             }
