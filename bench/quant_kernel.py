@@ -68,10 +68,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", default="1,8,64,512")
     ap.add_argument("--copies", type=int, default=COPIES, help="weights called in turn, from memory")
     args = ap.parse_args(argv)
+    types = args.types.split(",")
+    if bad := [t for t in types if t not in BLOCKS or any(k % BLOCKS[t][0] for _, k in SHAPES.values())]:
+        ap.error(f"--types: {', '.join(bad)} not one of {', '.join(BLOCKS)} whose blocks divide SmolLM2's "
+                 f"576 and 1536 input columns")
     if not (cpu_quant.load() and cpu_linear.load()):
         raise SystemExit("the C kernels could not be built (no C compiler)")
     rows = []
-    for type_name in args.types.split(","):
+    for type_name in types:
         for shape, (n, k) in SHAPES.items():
             w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
             ways = {"exact": (cpu_quant.linear, cpu_quant.pack(w)), "dot": (cpu_quant.linear, cpu_quant.pack(w, dot=True)),
