@@ -3,6 +3,7 @@ weight of the model, so its floor is the weights' bytes over the bandwidth the m
 
     python bench/roofline.py                      # the demo GGUF (SmolLM2-135M, Q4_1), batches 1,2,4,8
     python bench/roofline.py --batches 1,8 --tokens 64 --repeats 3 --formats auto,q8,none
+    python bench/roofline.py --formats auto,none --eager   # recorded decode steps against eager ones
 
 An engine a format on the same file, their runs interleaved (--formats, EngineConfig.quantization):
 its weights kept quantized with exact fp32 products (auto, the default: kernels/cpu_quant.c),
@@ -78,8 +79,12 @@ def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
 def measure(path: str, formats: list[str], batches: list[int], tokens: int, repeats: int) -> list[dict]:
     """Every format's engine loaded at once, their runs interleaved (for each repeat and batch,
     each format in turn), so a burst of load elsewhere on the machine falls on all of them."""
-    engines = {f: Engine(path, config=EngineConfig(device="cpu", quantization=f, max_running=max(batches)))
-               for f in formats}
+    def engine(f: str) -> Engine:  # "F/eager": format F with every step eager (no CPU graphs)
+        q, _, eager = f.partition("/")
+        return Engine(path, config=EngineConfig(device="cpu", quantization=q, max_running=max(batches),
+                                                cuda_graph=not eager))
+
+    engines = {f: engine(f) for f in formats}
     best: dict[tuple[str, int], tuple[float, int]] = {}
     for engine in engines.values():
         decode(engine, 2, 8)  # warm-up
@@ -113,21 +118,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth test's tensor")
     ap.add_argument("--formats", default="auto,q8,none", help="quantization values, one engine each")
+    ap.add_argument("--eager", action="store_true", help="also each format with its decode steps "
+                    "run eagerly (F/eager: cuda_graph off, no recorded CPU forwards)")
     args = ap.parse_args(argv)
     path = args.model or fetch_demo_model()
     batches = [int(b) for b in args.batches.split(",")]
     before = bandwidth(args.gib)
     print("machine before:", before, flush=True)
-    rows = measure(path, args.formats.split(","), batches, args.tokens, args.repeats)
+    formats = args.formats.split(",")
+    formats += [f"{f}/eager" for f in formats] if args.eager else []
+    rows = measure(path, formats, batches, args.tokens, args.repeats)
     after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
     read = max(before["read_gb_s"], after["read_gb_s"])
-    print(f"\n{'format':>9} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
+    print(f"\n{'format':>10} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
           f"{'roofline steps/s':>16} {'of roofline':>11}")
     for r in rows:
         roof = read * GB / (r["step_mb"] * 1e6)
         r["roofline_steps_s"], r["of_roofline"] = round(roof, 1), round(r["gb_s"] / read, 3)
-        print(f"{r['format']:>9} {r['batch']:>5} {r['step_mb']:>8} {r['step_ms']:>8} {r['tok_s']:>7} "
+        print(f"{r['format']:>10} {r['batch']:>5} {r['step_mb']:>8} {r['step_ms']:>8} {r['tok_s']:>7} "
               f"{r['gb_s']:>6} {r['roofline_steps_s']:>16} {r['of_roofline']:>11.0%}")
     save("roofline", {"machine": {"before": before, "after": after, "read_gb_s": read},
                       "tokens": args.tokens, "rows": rows})

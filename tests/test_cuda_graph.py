@@ -1,12 +1,16 @@
-"""The decode CUDA-graph runner's bucketing and padding, checked on a CPU through its uncaptured
-path (same static buffers and padding, run eagerly), and the engine with the Triton backend
-(interpreter) against the torch backend."""
+"""The decode graph runner: its bucketing and padding, checked on a CPU through its uncaptured
+path (same static buffers and padding, run eagerly); the engine with the Triton backend
+(interpreter) against the torch backend; and on a CPU its recorded forwards (C kernel calls
+replayed in one call, kernels/cpu_graph.py) against the eager forward."""
+import logging
+
 import pytest
 import torch
 
 from worker.engine import Engine, SamplingParams
 from worker.engine.batch import ForwardBatch, ForwardMode
-from worker.engine.cuda_graph import FIELDS, CudaGraphRunner, batch_sizes, pick_size
+from worker.engine.cuda_graph import FIELDS, CudaGraphRunner, batch_sizes, cpu_batch_sizes, pick_size
+from worker.engine.kernels import cpu_graph, cpu_linear
 from worker.engine.kv_pool import KVPool
 
 
@@ -42,7 +46,6 @@ def test_pick_size():
 def test_scratch_row_never_handed_out(llama_path):
     eng = Engine(llama_path, max_running=3)
     runner = eng.runner
-    assert eng.runner.graphs is None  # off on a CPU
     pool = runner.req_to_token
     rows = [pool.alloc() for _ in range(3)]
     assert pool.alloc() is None and pool.scratch_row not in rows
@@ -139,3 +142,87 @@ def test_engine_triton_equals_torch_with_and_without_padding(llama_path):
     eng.runner.graphs = CudaGraphRunner(eng.runner, [2, 4], capture=False)
     assert _greedy(eng, batch, max_new) == ref
     eng.check()
+
+
+def test_cpu_batch_sizes():
+    assert cpu_batch_sizes(None, None, 256) == list(range(1, 17))
+    assert cpu_batch_sizes(None, None, 5) == [1, 2, 3, 4, 5]
+    assert cpu_batch_sizes(3, None, 256) == [1, 2, 3]
+    assert cpu_batch_sizes(None, [4, 2], 8) == [2, 4]
+    with pytest.raises(ValueError, match="cuda_graph_max_bs: 32 exceeds max_running"):
+        cpu_batch_sizes(32, None, 16)
+
+
+def test_recording_refuses_torch_ops_and_host_reads():
+    t = torch.ones(4)
+    with pytest.raises(cpu_graph.NotRecordable, match="aten.add"):
+        cpu_graph.record(lambda: t + 1)
+    with pytest.raises(cpu_graph.NotRecordable, match="_local_scalar_dense"):
+        cpu_graph.record(lambda: t[0].item())
+
+
+def test_a_recorded_matmul_replays_on_its_inputs_new_values():
+    assert cpu_linear.load()
+    gen = torch.Generator().manual_seed(0)
+    panels, x = cpu_linear.pack(torch.randn(40, 24, generator=gen)), torch.randn(3, 24, generator=gen)
+    arena = cpu_graph.Arena(1 << 16)
+    rec = cpu_graph.record(lambda: cpu_linear.linear(x, panels), arena)
+    start = arena.buf.data_ptr()
+    assert not rec.kept and start <= rec.out.data_ptr() < start + arena.buf.numel()
+    assert rec.used == 3 * 40 * 4 + 32  # its one allocation, rounded up to a cache line
+    x.copy_(torch.randn(3, 24, generator=gen))
+    rec.replay()
+    assert torch.equal(rec.out, cpu_linear.linear(x, panels))
+    # An arena too small for an allocation: it comes from torch instead, kept with the recording.
+    small = cpu_graph.record(lambda: cpu_linear.linear(x, panels), cpu_graph.Arena(64))
+    assert len(small.kept) == 1 and small.kept[0].data_ptr() == small.out.data_ptr() and small.nbytes == 480
+
+
+def _restore(kv, saved):
+    for t, s in zip(kv.k + kv.v, saved):
+        t.copy_(s)
+
+
+def test_recorded_decode_equals_eager(llama_path):
+    """Every size from 1 to 8 recorded, in one arena; each batch's logits and K/V writes are the
+    eager forward's, bit for bit (the same kernels on the same rows), whatever size ran before."""
+    eng = Engine(llama_path, page_size=4, kv_tokens=512, max_running=24, cuda_graph_max_bs=8)
+    runner, kv = eng.runner, eng.runner.kv
+    graphs = runner.graphs
+    assert sorted(graphs.recordings) == list(range(1, 9)) and runner.mem["graphs"] == graphs.nbytes
+    gen = torch.Generator().manual_seed(0)
+    batches = [_decode_batch(eng, lens, gen) for lens in ([5, 17, 30], [9], [3, 9, 2, 40, 11, 6, 7, 8])]
+    saved = [t.clone() for t in kv.k + kv.v]
+    refs = []
+    for fb in batches:
+        refs.append((runner.forward_eager(fb).clone(), [t.clone() for t in kv.k + kv.v]))
+        _restore(kv, saved)
+    for fb, (ref, ref_kv) in [*zip(batches, refs), (batches[0], refs[0])]:
+        out = runner.forward(fb)
+        assert out.data_ptr() == graphs.recordings[fb.batch_size][0].out.data_ptr()  # replayed
+        assert torch.equal(out, ref)
+        assert all(torch.equal(t, r) for t, r in zip(kv.k + kv.v, ref_kv))
+        _restore(kv, saved)
+    # A batch bigger than every recording runs eagerly.
+    assert not graphs.can_run(_decode_batch(eng, [4] * 9, gen))
+
+
+def test_engine_replays_recorded_decode_steps(llama_path, monkeypatch):
+    """Greedy outputs with recorded steps equal those without, the batch shrinking 3 -> 2 -> 1."""
+    batch = [[5, 9, 11, 40, 7], list(range(20, 57)), [3, 4] * 9]
+    max_new = [6, 4, 2]
+    ref = _greedy(Engine(llama_path, page_size=4, cuda_graph=False), batch, max_new)
+    eng = Engine(llama_path, page_size=4)
+    replays = []
+    replay = cpu_graph.Recording.replay
+    monkeypatch.setattr(cpu_graph.Recording, "replay", lambda self: replays.append(1) or replay(self))
+    assert _greedy(eng, batch, max_new) == ref
+    assert len(replays) == 5  # every decode step: 3 rows, 3, 2, 2, 1 (the first token is prefill's)
+
+
+@pytest.mark.parametrize("arch,why", [("mixtral", "runs in torch"), ("gemma3", "has no body")])
+def test_models_that_cannot_be_recorded_run_eagerly(tiny_models, arch, why, caplog):
+    with caplog.at_level(logging.INFO, logger="fanout.engine"):
+        eng = Engine(tiny_models[arch], page_size=4)
+    assert eng.runner.graphs is None
+    assert any("CPU graphs off" in r.message and why in r.message for r in caplog.records)

@@ -72,12 +72,15 @@ class EngineConfig:
     attention_backend: str = _knob("auto", "auto (triton on CUDA, torch elsewhere), torch or "
                                            "triton")
     cuda_graph: bool = _knob(True, "capture decode steps in CUDA graphs (CUDA with the triton "
-                                   "backend only)")
+                                   "backend); on a CPU, record them as C kernel calls replayed "
+                                   "in one call (float32 with the C kernels)")
     cuda_graph_max_bs: int | None = _knob(None, "largest decode batch captured in a CUDA graph "
-                                                "(default: max_running, at most 256)")
+                                                "(default: max_running, at most 256) or recorded "
+                                                "on a CPU (default: 16)")
     cuda_graph_batch_sizes: list[int] | None = _knob(None, "the decode batch sizes captured "
                                                            "(default: 1, 2, 4, then every "
-                                                           "multiple of 8 up to the max)")
+                                                           "multiple of 8 up to the max; on a "
+                                                           "CPU every size up to the max)")
     image_file_root: str | None = _knob(None, "take file:// image URLs of files under this folder "
                                               "(default: none taken)", env="FANOUT_IMAGE_FILE_ROOT")
     image_http_hosts: list[str] | None = _knob(None, "fetch http(s) image URLs from these hosts: "

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from .attention.base import make_backend
 from .batch import ForwardBatch, ForwardMode
 from .config import EngineConfig
-from .cuda_graph import CudaGraphRunner, batch_sizes
+from .cuda_graph import CudaGraphRunner, batch_sizes, cpu_batch_sizes
 from .host_memory import available_memory, keep_freed_blocks
-from .kernels import cpu_linear, cpu_quant
+from .kernels import cpu_graph, cpu_linear, cpu_quant
 from .kv_pool import KVPool, ReqToTokenPool
 from .lora import Loras, parse_specs
 from .models.loader import load_model, resolve_dtype
@@ -179,10 +179,27 @@ class ModelRunner:
                                                 getattr(m.packed, "dot", False) for m in self.model.modules()):
             log.warning("quantization q8: %s has no Q4_0, Q4_1, Q4_K or Q8_0 matrices kept as codes: "
                         "its matmuls run in float32", model_path)
+        if cfg.cuda_graph and self.device.type == "cpu":
+            unrecorded = self._unrecorded()
+            if unrecorded:
+                log.info("CPU graphs off: %s", unrecorded)
+            else:
+                self.graph_sizes = cpu_batch_sizes(cfg.cuda_graph_max_bs, cfg.cuda_graph_batch_sizes,
+                                                   cfg.max_running)
         self.kv: KVPool | None = None  # set by attach_kv
         self.req_to_token: ReqToTokenPool | None = None
         self.kv_tokens = 0
         self.graphs: CudaGraphRunner | None = None
+
+    def _unrecorded(self) -> str | None:
+        """Why a CPU's decode forwards cannot be recorded (cuda_graph.py), or None."""
+        if self.dtype != torch.float32 or not cpu_linear.load():
+            return "they need the C kernels, in float32"
+        if not hasattr(self.model, "body"):
+            return f"{type(self.model).__name__} has no body of C kernels to record"
+        if self.tp.size > 1 or self.loras is not None:
+            return "not under tensor parallel or with LoRA adapters"
+        return None
 
     def kv_tokens_to_allocate(self) -> int:
         """The KV pool size: the configured one, else what the memory allows (under tensor
@@ -210,7 +227,17 @@ class ModelRunner:
         log.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.kv_tokens,
                  kv.allocator.total, kv.page_size, self.mem["kv"] / MiB)
         sizes = self.graph_sizes
-        if sizes:
+        if sizes and self.device.type == "cpu":
+            t = time.perf_counter()
+            try:
+                self.graphs = CudaGraphRunner(self, sizes)
+            except (cpu_graph.NotRecordable, NotImplementedError) as e:
+                log.info("CPU graphs off: %s", e)
+                return
+            self.mem["graphs"] = self.graphs.nbytes
+            log.info("CPU graphs: %d decode batch sizes up to %d recorded in %.1f s, %.1f MiB",
+                     len(sizes), sizes[-1], time.perf_counter() - t, self.mem["graphs"] / MiB)
+        elif sizes:
             torch.cuda.empty_cache()  # capture empties the cache too: do it before measuring
             free = torch.cuda.mem_get_info(self.device)[0]
             t = time.perf_counter()

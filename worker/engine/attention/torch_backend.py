@@ -190,6 +190,17 @@ class TorchBackend(AttentionBackend):
             meta.ext.append(_Extend(starts[i], n, pages, mask))
         return meta
 
+    def prepare_capture(self, fb: ForwardBatch) -> TorchMetadata:
+        """A recorded CPU decode forward's (kernels/cpu_graph.py): every row to the C kernel,
+        whose metadata views the static batch's own buffers, so it holds for every replay."""
+        meta = self.prepare(fb)
+        if meta.kernel is None or meta.dec or meta.shared:
+            raise NotImplementedError("the torch backend records decode rows only where its C kernel runs them")
+        return meta
+
+    def prepare_replay(self, fb: ForwardBatch, meta: TorchMetadata) -> None:
+        """Nothing to refresh: prepare_capture's metadata views the static buffers."""
+
     def store(self, k, v, layer, fb):
         kc, vc = fb.kv.k[layer], fb.kv.v[layer]
         S, Hkv, D = kc.shape

@@ -1,5 +1,5 @@
-"""The CPU kernels in C (cpu_linear.c, cpu_pointwise.c, cpu_decode.c, cpu_extend.c,
-cpu_noise.c): each built once per machine with the C compiler, cached, and loaded with ctypes.
+"""The CPU kernels in C (cpu_linear.c, cpu_quant.c, cpu_pointwise.c, cpu_decode.c,
+cpu_extend.c, cpu_noise.c, cpu_graph.c): each built once per machine with the C compiler, cached, and loaded with ctypes.
 
 A shared object is compiled with `-O3 -march=native -fopenmp -std=gnu11` (the compiler:
 `compiler()`) into ~/.cache/fanout/kernels/ (XDG_CACHE_HOME respected), named by a hash of the
@@ -89,11 +89,29 @@ def build(name: str) -> str | None:
     return path
 
 
-def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None):
+# While a decode forward is recorded (cpu_graph.py): every kernel call's (Kernel, args).
+recording: list | None = None
+
+
+class Kernel:
+    """A C function with its signature set, called as the ctypes function it wraps; while a
+    forward is recorded, each call is also written down (`recording`)."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        if recording is not None:
+            recording.append((self, args))
+        return self.fn(*args)
+
+
+def bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None) -> Kernel:
     """lib's function NAME with its C signature set."""
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = argtypes, restype
-    return fn
+    return Kernel(fn)
 
 
 def functions(name: str, fns: dict, signatures: dict) -> bool:

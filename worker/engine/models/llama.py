@@ -261,7 +261,11 @@ class CausalLM(nn.Module):
     def decode(self, h: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
         """Input embeddings [T, hidden] (a multimodal model splices in its own) -> final-normed
         hidden states."""
-        rope = self.rope(positions, h.dtype)  # cos/sin gathered once, used by every layer
+        return self.body(h, self.rope(positions, h.dtype), fb)  # cos/sin gathered once, for every layer
+
+    def body(self, h: torch.Tensor, rope: tuple, fb) -> torch.Tensor:
+        """The layers and the final norm, given the inputs' embeddings and RoPE angles: on a CPU,
+        C kernels only, so a decode step's is what cpu_graph.py records."""
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, rope, fb)
