@@ -10,10 +10,11 @@ forward at the largest size plus that buffer.
 
 On a CPU (fp32, the C kernels) the same runner records each size's forward instead
 (kernels/cpu_graph.py): the model's body and logits as a list of C kernel calls, replayed in one
-call, after the step's embeddings and RoPE angles are written into the recording's inputs. Every
-size from 1 up is recorded (a padded row costs its compute on a CPU), up to CPU_MAX_BS by
-default: a recording keeps its intermediates (no pool shared between sizes), and above that the
-Python between kernels is a small part of a step.
+call after the step's embeddings and RoPE angles are written into the recording's inputs. A
+size is recorded by its first batch, as that batch runs; every size from 1 up may be (a padded
+row costs its compute on a CPU), to CPU_MAX_BS by default, where the Python between kernels has
+become a small part of a step. All sizes' intermediates share one arena (cpu_graph.Arena), sized
+at start-up by recording the largest size once.
 
 Without capture `run` pads the same way and runs the padded batch eagerly; the tests check the
 padding through that path.
@@ -100,6 +101,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # On a CPU: each size's recording, and its inputs (embeddings, RoPE's cos and sin).
         self.recordings: dict[int, tuple[cpu_graph.Recording, torch.Tensor, tuple]] = {}
+        self.arena: cpu_graph.Arena | None = None
         if capture:
             self._capture() if dev.type == "cuda" else self._record()
 
@@ -135,23 +137,20 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def _record(self) -> None:
-        # The body and logits of each size's static batch (every row padding) recorded, all
-        # sizes' intermediates in one arena as big as the largest size's (a first recording
-        # measures it); the embeddings and RoPE angles computed once here give each size's
-        # input tensors their shapes. Raises cpu_graph.NotRecordable where the model runs
-        # torch ops in its body.
-        model, attn = self.runner.model, self.runner.attn
+        # The arena every size's recording allocates from, as big as the largest size's
+        # allocations: measured by recording it once (its static batch all padding), which also
+        # says at start-up whether the model can be recorded (cpu_graph.NotRecordable if not).
+        self.arena = cpu_graph.Arena(self._recorded(self.max_bs, None)[0].used)
 
-        def recorded(bs: int, arena: cpu_graph.Arena | None):
-            sb = self.batches[bs]
-            sb.attn, sb.attn_meta = attn, attn.prepare_capture(sb)
-            h = model.embed_tokens(sb.input_ids).contiguous()
-            rope = tuple(t.contiguous() for t in model.rope(sb.positions, h.dtype))
-            return cpu_graph.record(lambda: model.logits(model.body(h, rope, sb)), arena), h, rope
-
-        self.arena = cpu_graph.Arena(recorded(self.max_bs, None)[0].used)
-        for bs in self.sizes:
-            self.recordings[bs] = recorded(bs, self.arena)
+    def _recorded(self, bs: int, arena: cpu_graph.Arena | None) -> tuple:
+        """The static batch of size bs, its body and logits recorded as they run on the inputs in
+        its buffers now; with the input tensors the recording reads (embeddings, RoPE's cos and
+        sin), which replays refresh."""
+        model, attn, sb = self.runner.model, self.runner.attn, self.batches[bs]
+        sb.attn, sb.attn_meta = attn, attn.prepare_capture(sb)
+        h = model.embed_tokens(sb.input_ids).contiguous()
+        rope = tuple(t.contiguous() for t in model.rope(sb.positions, h.dtype))
+        return cpu_graph.record(lambda: model.logits(model.body(h, rope, sb)), arena), h, rope
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +158,11 @@ class CudaGraphRunner:
         return self.arena.buf.numel() + sum(rec.nbytes for rec, _, _ in self.recordings.values())
 
     def _replay(self, bs: int) -> torch.Tensor:
-        """The recorded forward of the static batch of size bs, its inputs refreshed: its logits."""
+        """The static batch of size bs's logits: its recording replayed, its inputs refreshed; a
+        size's first batch is recorded as it runs (sizes never used cost nothing)."""
+        if bs not in self.recordings:
+            self.recordings[bs] = self._recorded(bs, self.arena)
+            return self.recordings[bs][0].out
         model, sb = self.runner.model, self.batches[bs]
         rec, h, rope = self.recordings[bs]
         h.copy_(model.embed_tokens(sb.input_ids))
@@ -195,7 +198,7 @@ class CudaGraphRunner:
             self.runner.attn.prepare_replay(sb, sb.attn_meta)
             self.graphs[bs].replay()
             out = self.logits[:n]
-        elif self.recordings:
+        elif self.arena is not None:
             out = self._replay(bs)[:n]
         else:
             self.forward(bs)

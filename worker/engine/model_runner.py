@@ -235,8 +235,9 @@ class ModelRunner:
                 log.info("CPU graphs off: %s", e)
                 return
             self.mem["graphs"] = self.graphs.nbytes
-            log.info("CPU graphs: %d decode batch sizes up to %d recorded in %.1f s, %.1f MiB",
-                     len(sizes), sizes[-1], time.perf_counter() - t, self.mem["graphs"] / MiB)
+            log.info("CPU graphs: %d decode batch sizes up to %d, each recorded by its first "
+                     "batch; their arena sized in %.1f s: %.1f MiB", len(sizes), sizes[-1],
+                     time.perf_counter() - t, self.mem["graphs"] / MiB)
         elif sizes:
             torch.cuda.empty_cache()  # capture empties the cache too: do it before measuring
             free = torch.cuda.mem_get_info(self.device)[0]
