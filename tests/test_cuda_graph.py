@@ -178,6 +178,34 @@ def test_a_recorded_matmul_replays_on_its_inputs_new_values():
     assert len(small.kept) == 1 and small.kept[0].data_ptr() == small.out.data_ptr() and small.nbytes == 480
 
 
+def test_a_recording_takes_only_its_own_threads_kernel_calls():
+    """Another thread's kernels (another engine's) running meanwhile are not recorded."""
+    import threading
+    assert cpu_linear.load()
+    panels, x = cpu_linear.pack(torch.randn(40, 24)), torch.randn(3, 24)
+    other, stop = [0], threading.Event()
+
+    def elsewhere():
+        y = torch.randn(2, 24)
+        while not stop.is_set():
+            cpu_linear.linear(y, panels)
+            other[0] += 1
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    try:
+        while other[0] == 0:
+            pass
+        before = other[0]
+        rec = cpu_graph.record(lambda: [cpu_linear.linear(x, panels) for _ in range(200)][-1])
+        during = other[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert during > 0 and len(rec.calls) == 200
+    assert all(c.i[0] == x.data_ptr() for c in rec.calls)  # each call's x: this thread's
+
+
 def _restore(kv, saved):
     for t, s in zip(kv.k + kv.v, saved):
         t.copy_(s)

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 
 log = logging.getLogger("fanout.engine")
 
@@ -89,21 +90,23 @@ def build(name: str) -> str | None:
     return path
 
 
-# While a decode forward is recorded (cpu_graph.py): every kernel call's (Kernel, args).
-recording: list | None = None
+# While this thread records a decode forward (cpu_graph.py), `.calls`: every kernel call's
+# (Kernel, args). Per thread: another engine's kernels on another thread are not its calls.
+recording = threading.local()
 
 
 class Kernel:
     """A C function with its signature set, called as the ctypes function it wraps; while a
-    forward is recorded, each call is also written down (`recording`)."""
+    forward is recorded on this thread, each call is also written down (`recording`)."""
     __slots__ = ("fn",)
 
     def __init__(self, fn):
         self.fn = fn
 
     def __call__(self, *args):
-        if recording is not None:
-            recording.append((self, args))
+        calls = getattr(recording, "calls", None)
+        if calls is not None:
+            calls.append((self, args))
         return self.fn(*args)
 
 

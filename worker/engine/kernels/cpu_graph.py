@@ -142,12 +142,12 @@ def record(fn: Callable[[], Any], arena: Arena | None = None) -> Recording:
     if arena is not None:
         arena.reset()
     mode, calls = _KernelsOnly(arena), []
-    cpu_build.recording = calls
+    cpu_build.recording.calls = calls
     try:
         with mode:
             out = fn()
     finally:
-        cpu_build.recording = None
+        cpu_build.recording.calls = None
     array = (Call * len(calls))()
     for slot, (kernel, args) in zip(array, calls):
         fn_, ints, floats = kernel.fn, [], []
