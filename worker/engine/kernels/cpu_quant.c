@@ -7,10 +7,12 @@ codes kept in memory and multiplied where they are read, two ways (QPanels.dot p
   computes, to the bit, and y equals cpu_linear's on the dequantized weight, float for float:
   the engine's tokens and logits are those of the model loaded in fp32;
 - dot: each row of x is rounded to 8 bits per 32 values first (a scale amax / 127, as
-  llama.cpp's Q8 blocks), and a group's 32 products are summed as integers (AVX2's
-  maddubs: 32 byte products a instruction, against 8 fp32 FMAs, and no code turned into a
-  float), then scaled: y += d dx sum(q xq) + o sum(x). Not equal to the fp32 model's:
-  within the rounding of x to 8 bits, as llama.cpp's own products.
+  llama.cpp's Q8 blocks), and a group's 32 products are summed as integers (AVX-512 VNNI's
+  dpbusd: 64 byte products summed into 16 lanes a instruction, against 16 fp32 FMAs; else
+  AVX2's maddubs, 32 a instruction; no code turned into a float), then scaled: y += d dx
+  sum(q xq) + o sum(x). The integer sums are exact, so both instruction sets give the same
+  floats. Not equal to the fp32 model's: within the rounding of x to 8 bits, as llama.cpp's
+  own products.
 
 The panels are NR output columns of K, a group of 32 k at a time, each column's codes for
 4 k in one 32-bit lane (an integer dot product's unit):
@@ -113,24 +115,46 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
 typedef struct {
     int8_t *q;  /* [M][K] */
     float *d, *s; /* [M][K / 32] */
+    int32_t *qs; /* [M][K / 32]: the group's sum of xq (VNNI's signed 8-bit codes, below) */
 } Rows8;
 
-static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
-    Rows8 r = {malloc(M * K), malloc(M * (K / 32) * sizeof(float)), malloc(M * (K / 32) * sizeof(float))};
-#pragma omp parallel for schedule(static) if (M > 16)
-    for (int64_t i = 0; i < M * (K / 32); i++) {
-        const int64_t m = i / (K / 32), G = i % (K / 32);
-        const float *xg = x + m * ldx + G * 32;
-        float amax = 0, sum = 0;
-        for (int k = 0; k < 32; k++) {
-            amax = fmaxf(amax, fabsf(xg[k]));
-            sum += xg[k];
-        }
-        const float d = amax / 127, id = d > 0 ? 1 / d : 0;
-        for (int k = 0; k < 32; k++) r.q[m * K + G * 32 + k] = (int8_t)roundf(xg[k] * id);
-        r.d[i] = d;
-        r.s[i] = sum;
+typedef int8_t vb __attribute__((vector_size(VL))); /* VL bytes: a vector's codes */
+
+/* One group of 32 of x: its codes (roundf's half away from zero, in vectors: truncated, then
+   a step out where the rest is a half or more), scale, sum and codes' sum */
+INLINE void round_group(const float *xg, int8_t *q, float *d, float *s, int32_t *qs) {
+    vf v[32 / VL], top = {0}, sum = {0};
+    for (int j = 0; j < 32 / VL; j++) {
+        v[j] = load(xg + j * VL);
+        const vf a = (vf)((vi)v[j] & 0x7fffffff);
+        top = pick(a > top, a, top);
+        sum += v[j];
     }
+    float amax = 0;
+    for (int l = 0; l < VL; l++) amax = fmaxf(amax, top[l]);
+    const float scale = amax / 127, id = scale > 0 ? 1 / scale : 0;
+    vi total = {0};
+    for (int j = 0; j < 32 / VL; j++) {
+        const vf u = v[j] * id;
+        const vi t = __builtin_convertvector(u, vi);
+        const vf rest = u - __builtin_convertvector(t, vf);
+        const vi c = t - (rest >= 0.5f) + (rest <= -0.5f); /* a true comparison is -1 */
+        total += c;
+        const vb b = __builtin_convertvector(c, vb);
+        memcpy(q + j * VL, &b, VL);
+    }
+    *d = scale;
+    *s = hsum(sum);
+    *qs = 0;
+    for (int l = 0; l < VL; l++) *qs += total[l];
+}
+
+static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
+    const int64_t ng = K / 32, n = M * ng;
+    Rows8 r = {malloc(M * K), malloc(n * sizeof(float)), malloc(n * sizeof(float)), malloc(n * sizeof(int32_t))};
+#pragma omp parallel for schedule(static) if (M > 16)
+    for (int64_t i = 0; i < n; i++)
+        round_group(x + i / ng * ldx + i % ng * 32, r.q + i * 32, r.d + i, r.s + i, r.qs + i);
     return r;
 }
 
@@ -138,9 +162,63 @@ static void rows8_free(Rows8 r) {
     free(r.q);
     free(r.d);
     free(r.s);
+    free(r.qs);
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && VL == 16
+/* t[m][:] = rows 0..mr of x (rounded: r, from row m0) times one panel, the dot way, the NR
+   columns at once (NV vectors of 16 lanes): for each 4 k of a group, a column's 4 codes (one
+   32-bit lane) times the row's 4 xq summed into its lane by one dpbusd (unsigned times
+   signed bytes). 4 bits: the codes are unsigned. 8 bits: q + 128 (its sign bit flipped) is,
+   and the group's sum loses 128 sum(xq) after. The sums then scaled in group order, as below. */
+INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
+                  const float *scales, float t[MR][NR]) {
+    const int64_t gb = group_codes(bits), ng = K / 32;
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 a[QR][NV];
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < NV; v++) a[m][v] = _mm512_setzero_ps();
+    for (int64_t G = 0; G < ng; G++) {
+        const uint8_t *cg = codes + G * gb;
+        prefetch_group(bits, codes, scales, G);
+        __m512i s[QR][NV];
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < NV; v++) s[m][v] = _mm512_setzero_si512();
+        for (int q = 0; q < (bits == 4 ? 4 : 8); q++)
+            for (int v = 0; v < NV; v++) {
+                const __m512i c = _mm512_loadu_si512(cg + (q * NR + v * VL) * 4);
+                for (int m = 0; m < mr; m++) {
+                    const int8_t *xq = r.q + (m0 + m) * K + G * 32;
+                    int32_t xa, xb;
+                    if (bits == 4) {
+                        memcpy(&xa, xq + 8 * q, 4);
+                        memcpy(&xb, xq + 8 * q + 4, 4);
+                        s[m][v] = _mm512_dpbusd_epi32(s[m][v], _mm512_and_si512(c, low), _mm512_set1_epi32(xa));
+                        s[m][v] = _mm512_dpbusd_epi32(s[m][v], _mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                                                      _mm512_set1_epi32(xb));
+                    } else {
+                        memcpy(&xa, xq + 4 * q, 4);
+                        s[m][v] = _mm512_dpbusd_epi32(s[m][v], _mm512_xor_si512(c, flip), _mm512_set1_epi32(xa));
+                    }
+                }
+            }
+        for (int m = 0; m < mr; m++) {
+            const int64_t i = (m0 + m) * ng + G;
+            const __m512 dx = _mm512_set1_ps(r.d[i]), sx = _mm512_set1_ps(r.s[i]);
+            for (int v = 0; v < NV; v++) {
+                __m512i sum = s[m][v];
+                if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * r.qs[i]));
+                const __m512 d = _mm512_loadu_ps(scales + 2 * G * NR + v * VL);
+                const __m512 o = _mm512_loadu_ps(scales + (2 * G + 1) * NR + v * VL);
+                a[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), a[m][v]);
+                a[m][v] = _mm512_fmadd_ps(o, sx, a[m][v]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(t[m] + v * VL, a[m][v]);
+}
+#elif defined(__AVX2__)
 /* t[m][:] = rows 0..mr of x (rounded: r, from row m0) times one panel, the dot way, 8
    columns at a time: a group's codes are loaded (and split into halves) once for the mr rows,
    each row's products summed as integers, one 32-bit lane a column, then scaled into its
