@@ -1,7 +1,8 @@
 """Where a decode step's time goes, on the real model: the forward against everything else
 (scheduling, batch building, sampling, fan-in, events), at batch 8, 16 and 64.
 
-    python bench/step.py                  # SmolLM2-135M-Instruct (the demo GGUF), fp32
+    python bench/step.py                  # SmolLM2-135M-Instruct (the demo GGUF), its codes
+    python bench/step.py --quantization none   # the same dequantized to fp32
     python bench/step.py --batches 8,64 --tokens 48
 
 Each batch size runs that many distinct prompts (~100 tokens) to --tokens new tokens (greedy,
@@ -90,8 +91,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="8,16,64")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quantization", default="auto", help="the engine's quantization (auto: the GGUF's codes)")
     args = ap.parse_args()
-    engine = Engine(fetch_demo_model(), device="cpu", dtype="float32")
+    engine = Engine(fetch_demo_model(), device="cpu", dtype="float32", quantization=args.quantization)
     timer = Timer()
     timer.wrap(engine.runner, "forward", "forward")
     timer.wrap(engine.executor, "sampler", "sample")

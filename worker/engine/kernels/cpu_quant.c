@@ -18,7 +18,9 @@ The panels are NR output columns of K, a group of 32 k at a time, each column's 
 4 k in one 32-bit lane (an integer dot product's unit):
   4 bits: codes [K/32][4][NR][4], byte (G, t, j, b) = q[32G + 8t + b][j] | q[32G + 8t + 4 + b][j] << 4
   8 bits: codes [K/32][8][NR][4], byte (G, t, j, b) = q[32G + 4t + b][j], GGUF's signed codes
-  scales [K/32][2][NR]: d, then o
+  scales [K/32][2][NR]: d, then o; float16 where every one of the weight's is exactly a
+  float16 (Q4_0, Q4_1 and Q8_0 keep the file's own: 20 bytes per 32 weights for Q4_1, not
+  24), else float32 (Q4_K's d times its 6-bit scale); widened in registers, the same floats
 A weight is q * d + o: Q4_1 and Q4_K (o = m, or -dmin * m), Q4_0 (o = -8 d), Q8_0 (o = 0).
 
 Every sum runs in k order (exact) or group order (dot), whatever the rows beside it, so a
@@ -41,20 +43,58 @@ A decode step reads each weight's half byte (or byte) from memory, not its 4 byt
 
 int64_t fanout_quant_nr(void) { return NR; }
 
-/* One panel's bytes of codes and floats of scales; a group's bytes of codes */
+/* One panel's bytes of codes and count of scales; a group's bytes of codes */
 static int64_t group_codes(int bits) { return (bits == 8 ? 32 : 16) * NR; }
 static int64_t panel_codes(int bits, int64_t K) { return K / 32 * group_codes(bits); }
 static int64_t panel_scales(int64_t K) { return 2 * (K / 32) * NR; }
+
+/* Scales, float32 or (half) float16, read from element i on */
+typedef struct {
+    const uint8_t *p;
+    int half;
+} Scales;
+typedef float vf8 __attribute__((vector_size(32)));
+
+INLINE Scales scales_from(Scales s, int64_t i) { return (Scales){s.p + i * (s.half ? 2 : 4), s.half}; }
+INLINE float scale_at(Scales s, int64_t i) {
+    return s.half ? (float)((const _Float16 *)s.p)[i] : ((const float *)s.p)[i];
+}
+/* VL of them (one vcvtph2ps where the CPU has it: GCC widens a _Float16 vector lane by lane) */
+INLINE vf scales_vl(Scales s, int64_t i) {
+    if (!s.half) return load((const float *)s.p + i);
+#if VL == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s.p + 2 * i)));
+#elif VL == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.p + 2 * i)));
+#else
+    vf v;
+    for (int l = 0; l < VL; l++) v[l] = scale_at(s, i + l);
+    return v;
+#endif
+}
+INLINE vf8 scales_8(Scales s, int64_t i) { /* 8 of them */
+    vf8 f;
+    if (!s.half) {
+        memcpy(&f, s.p + 4 * i, sizeof f);
+        return f;
+    }
+#if defined(__F16C__)
+    return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.p + 2 * i)));
+#else
+    for (int l = 0; l < 8; l++) f[l] = scale_at(s, i + l);
+    return f;
+#endif
+}
 
 /* Every line of group G + AHEAD_G's codes and scales asked for, past the panel's end into the
    next panel's (the panels lie in turn; a prefetch past the last does not fault): a decode
    step's panels come from memory */
 #define AHEAD_G 16
-INLINE void prefetch_group(int bits, const uint8_t *codes, const float *scales, int64_t G) {
+INLINE void prefetch_group(int bits, const uint8_t *codes, Scales scales, int64_t G) {
     const uint8_t *c = codes + (G + AHEAD_G) * group_codes(bits);
     for (int64_t b = 0; b < group_codes(bits); b += 64) __builtin_prefetch(c + b);
-    const float *sc = scales + 2 * (G + AHEAD_G) * NR;
-    for (int64_t b = 0; b < 2 * NR; b += 16) __builtin_prefetch(sc + b);
+    const uint8_t *sc = scales_from(scales, 2 * (G + AHEAD_G) * NR).p;
+    for (int64_t b = 0; b < 2 * NR * (scales.half ? 2 : 4); b += 64) __builtin_prefetch(sc + b);
 }
 
 INLINE vi lanes_at(const uint8_t *p) { /* VL columns' 32-bit lanes of codes */
@@ -73,7 +113,7 @@ INLINE vf code8(vi c, int b) { return __builtin_convertvector((c << (24 - 8 * b)
    each made from its code in registers as it is used (exact): QR x NV sums, NV scales and
    offsets in registers. Each sum is a chain of FMAs in k order. */
 INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, const uint8_t *codes,
-                  const float *scales, int64_t K, float t[MR][NR]) {
+                  Scales scales, int64_t K, float t[MR][NR]) {
     vf a[QR][NV];
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < NV; v++) a[m][v] = (vf){0};
@@ -81,8 +121,8 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
     for (int64_t G = 0; G < K / 32; G++) {
         vf d[NV], o[NV];
         for (int v = 0; v < NV; v++) {
-            d[v] = load(scales + 2 * G * NR + v * VL);
-            o[v] = load(scales + (2 * G + 1) * NR + v * VL);
+            d[v] = scales_vl(scales, 2 * G * NR + v * VL);
+            o[v] = scales_vl(scales, (2 * G + 1) * NR + v * VL);
         }
         const float *xg = x + G * 32;
         const uint8_t *cg = codes + G * gb;
@@ -172,7 +212,7 @@ static void rows8_free(Rows8 r) {
    signed bytes). 4 bits: the codes are unsigned. 8 bits: q + 128 (its sign bit flipped) is,
    and the group's sum loses 128 sum(xq) after. The sums then scaled in group order, as below. */
 INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
-                  const float *scales, float t[MR][NR]) {
+                  Scales scales, float t[MR][NR]) {
     const int64_t gb = group_codes(bits), ng = K / 32;
     const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 a[QR][NV];
@@ -208,8 +248,8 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
             for (int v = 0; v < NV; v++) {
                 __m512i sum = s[m][v];
                 if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * r.qs[i]));
-                const __m512 d = _mm512_loadu_ps(scales + 2 * G * NR + v * VL);
-                const __m512 o = _mm512_loadu_ps(scales + (2 * G + 1) * NR + v * VL);
+                const __m512 d = (__m512)scales_vl(scales, 2 * G * NR + v * VL);
+                const __m512 o = (__m512)scales_vl(scales, (2 * G + 1) * NR + v * VL);
                 a[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), a[m][v]);
                 a[m][v] = _mm512_fmadd_ps(o, sx, a[m][v]);
             }
@@ -226,7 +266,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
    16-bit lane pair within 16 bits (8 x 2 x 15 x 127 < 32767), widened once a group; 8 bits,
    |q| <= 128: maddubs of |q| and xq carrying q's sign (llama.cpp's way), widened at once. */
 INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
-                  const float *scales, float t[MR][NR]) {
+                  Scales scales, float t[MR][NR]) {
     const int64_t gb = group_codes(bits), ng = K / 32;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int col = 0; col < NR; col += 8) {
@@ -260,8 +300,8 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
                     }
                 }
             }
-            const __m256 d = _mm256_loadu_ps(scales + 2 * G * NR + col);
-            const __m256 o = _mm256_loadu_ps(scales + (2 * G + 1) * NR + col);
+            const __m256 d = (__m256)scales_8(scales, 2 * G * NR + col);
+            const __m256 o = (__m256)scales_8(scales, (2 * G + 1) * NR + col);
             for (int m = 0; m < mr; m++) {
                 const int64_t i = (m0 + m) * ng + G;
                 const __m256i sum = bits == 4 ? _mm256_madd_epi16(s[m], ones) : s[m];
@@ -275,7 +315,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
 #else
 /* The dot way without AVX2: the same sums, one column at a time */
 INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, const uint8_t *codes,
-                  const float *scales, float t[MR][NR]) {
+                  Scales scales, float t[MR][NR]) {
     const int64_t gb = group_codes(bits), ng = K / 32;
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < NR; j++) {
@@ -290,8 +330,8 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
                                             : (int8_t)c[(k / 4) * NR * 4 + k % 4];
                     sum += q * xq[k];
                 }
-                a = fmaf((float)sum, scales[2 * G * NR + j] * r.d[i], a);
-                a = fmaf(scales[(2 * G + 1) * NR + j], r.s[i], a);
+                a = fmaf((float)sum, scale_at(scales, 2 * G * NR + j) * r.d[i], a);
+                a = fmaf(scale_at(scales, (2 * G + 1) * NR + j), r.s[i], a);
             }
             t[m][j] = a;
         }
@@ -301,7 +341,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
 /* QR rows (from m0) times one panel, the dot way (r) or exact (x): qtile() or dtile() with
    mr and bits constants in each case, so their loops unroll into registers */
 static void small_tile(int mr, int bits, int dot, const float *x, int64_t ldx, Rows8 r, int64_t m0,
-                       int64_t K, const uint8_t *codes, const float *scales, float t[MR][NR]) {
+                       int64_t K, const uint8_t *codes, Scales scales, float t[MR][NR]) {
 #define WAY(R, B) (dot ? dtile(R, B, r, m0, K, codes, scales, t) \
                        : qtile(R, B, x + m0 * ldx, ldx, codes, scales, K, t))
 #define CASE(R) case R: { if (bits == 4) WAY(R, 4); else WAY(R, 8); break; }
@@ -314,13 +354,13 @@ static void small_tile(int mr, int bits, int dot, const float *x, int64_t ldx, R
 }
 
 /* w [kc][NR] = the panel's weights k0 .. k0 + kc (k0 and kc whole groups of 32) */
-static void dequant(int bits, const uint8_t *codes, const float *scales, int64_t k0, int kc,
+static void dequant(int bits, const uint8_t *codes, Scales scales, int64_t k0, int kc,
                     float *w) {
     const int64_t gb = group_codes(bits);
     for (int g = 0; g < kc / 32; g++) {
         const int64_t G = k0 / 32 + g;
         for (int v = 0; v < NV; v++) {
-            const vf d = load(scales + 2 * G * NR + v * VL), o = load(scales + (2 * G + 1) * NR + v * VL);
+            const vf d = scales_vl(scales, 2 * G * NR + v * VL), o = scales_vl(scales, (2 * G + 1) * NR + v * VL);
             float *out = w + g * 32 * NR + v * VL;
             for (int q = 0; q < (bits == 4 ? 4 : 8); q++) {
                 const vi c = lanes_at(codes + G * gb + (q * NR + v * VL) * 4);
@@ -340,7 +380,7 @@ static void dequant(int bits, const uint8_t *codes, const float *scales, int64_t
 /* Few rows (exact), or any rows (dot): each task a panel (gate_up: gate panel p then up
    panel p, which come in turn), QR rows at a time, in passes of rows for the dot way's many. */
 static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx,
-                      const uint8_t *codes, const float *scales, int gate_up, int64_t N,
+                      const uint8_t *codes, Scales scales, int gate_up, int64_t N,
                       const float *bias, float *y, int64_t ldy) {
     const int64_t P = (N + NR - 1) / NR, cb = panel_codes(bits, K), sb = panel_scales(K);
     const int parts = gate_up ? 2 : 1;
@@ -356,7 +396,7 @@ static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, i
                 float t[MR][NR], u[MR][NR];
                 for (int h = 0; h < parts; h++) {
                     const uint8_t *c = codes + (panel + h) * cb;
-                    const float *s = scales + (panel + h) * sb;
+                    const Scales s = scales_from(scales, (panel + h) * sb);
                     small_tile(mr, bits, dot, x, ldx, r, m0, K, c, s, h ? u : t);
                 }
                 tile_out(mr, t, gate_up ? u : NULL, bias ? bias + c0 : NULL, y + m0 * ldy + c0, ldy, nc);
@@ -369,7 +409,7 @@ static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, i
 /* More rows, exact: every task a panel with every pass of rows, KC k steps in floats at a
    time. */
 static void run(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t ldx,
-                const uint8_t *codes, const float *scales, int gate_up, int64_t N, const float *bias,
+                const uint8_t *codes, Scales scales, int gate_up, int64_t N, const float *bias,
                 float *y, int64_t ldy) {
     if (M <= SMALL_M || dot) {
         run_small(bits, dot, x, M, K, ldx, codes, scales, gate_up, N, bias, y, ldy);
@@ -393,7 +433,7 @@ static void run(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t
                 float *a = acc + h * rows * NR;
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
                     const int kc = K - k0 < KC ? (int)(K - k0) : KC;
-                    dequant(bits, codes + panel * cb, scales + panel * sb, k0, kc, w);
+                    dequant(bits, codes + panel * cb, scales_from(scales, panel * sb), k0, kc, w);
                     for (int64_t m0 = r0; m0 < end; m0 += MR)
                         tile_rows(end - m0 < MR ? (int)(end - m0) : MR, x + m0 * ldx + k0, ldx, w,
                                   kc, (float(*)[NR])(a + (m0 - r0) * NR));
@@ -409,39 +449,40 @@ static void run(int bits, int dot, const float *x, int64_t M, int64_t K, int64_t
     }
 }
 
-/* x [M, K] (row stride ldx), codes and scales of ceil(N / NR) panels, bias [N] or NULL,
-   y [M, N] (row stride ldy). K is a multiple of 32; bits 4 or 8; dot 0 (exact) or 1. */
+/* x [M, K] (row stride ldx), codes and scales (float16 where half) of ceil(N / NR) panels,
+   bias [N] or NULL, y [M, N] (row stride ldy). K is a multiple of 32; bits 4 or 8; dot 0
+   (exact) or 1. */
 void fanout_quant_linear(int64_t bits, int64_t dot, const float *x, int64_t M, int64_t K, int64_t ldx,
-                         const uint8_t *codes, const float *scales, int64_t N, const float *bias,
-                         float *y, int64_t ldy) {
-    run((int)bits, (int)dot, x, M, K, ldx, codes, scales, 0, N, bias, y, ldy);
+                         const uint8_t *codes, const void *scales, int64_t half, int64_t N,
+                         const float *bias, float *y, int64_t ldy) {
+    run((int)bits, (int)dot, x, M, K, ldx, codes, (Scales){scales, (int)half}, 0, N, bias, y, ldy);
 }
 
 /* y = silu(x Wg^T) * (x Wu^T), y [M, N]; the panels of the two weights interleaved, gate p
    then up p. */
 void fanout_quant_silu_mul(int64_t bits, int64_t dot, const float *x, int64_t M, int64_t K, int64_t ldx,
-                           const uint8_t *codes, const float *scales, int64_t N, float *y,
-                           int64_t ldy) {
-    run((int)bits, (int)dot, x, M, K, ldx, codes, scales, 1, N, NULL, y, ldy);
+                           const uint8_t *codes, const void *scales, int64_t half, int64_t N,
+                           float *y, int64_t ldy) {
+    run((int)bits, (int)dot, x, M, K, ldx, codes, (Scales){scales, (int)half}, 1, N, NULL, y, ldy);
 }
 
 /* out [n, K] = rows ids[0..n) of W (the weight's output columns: an embedding table's
    lookup, from the same panels as its tied lm_head), each weight q * d + o as above. */
-void fanout_quant_rows(int64_t bits, const uint8_t *codes, const float *scales, int64_t K,
+void fanout_quant_rows(int64_t bits, const uint8_t *codes, const void *scales, int64_t half, int64_t K,
                        const int64_t *ids, int64_t n, float *out) {
     const int64_t cb = panel_codes((int)bits, K), sb = panel_scales(K), gb = group_codes((int)bits);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const int64_t p = ids[i] / NR, j = ids[i] % NR;
         const uint8_t *c = codes + p * cb + j * 4;
-        const float *s = scales + p * sb;
+        const Scales s = scales_from((Scales){scales, (int)half}, p * sb);
         float *o = out + i * K;
         for (int64_t k = 0; k < K; k++) {
             const uint8_t *cg = c + (k / 32) * gb;
             const int kk = k % 32;
             const float q = bits == 8 ? (float)(int8_t)cg[(kk / 4) * NR * 4 + kk % 4]
                                       : (float)((cg[(kk / 8) * NR * 4 + kk % 4] >> (4 * (kk % 8 / 4))) & 15);
-            o[k] = __builtin_fmaf(q, s[(k / 32) * 2 * NR + j], s[((k / 32) * 2 + 1) * NR + j]);
+            o[k] = __builtin_fmaf(q, scale_at(s, (k / 32) * 2 * NR + j), scale_at(s, ((k / 32) * 2 + 1) * NR + j));
         }
     }
 }

@@ -4,8 +4,8 @@ dequantized a piece at a time in the kernel.
 
 Why: a decode step reads every weight of the model, so at small batches its time is the
 weights' bytes over the memory's bandwidth. In fp32 SmolLM2-135M is 540 MB; its Q4_1 file's
-codes and scales here are ~115 MB (Q4_1: 24 bytes per 32 weights, a scale and an offset
-kept as floats; Q8_0: 40). The weights the kernel computes are gguf's dequantization's to the bit, so
+codes and scales here are ~97 MB (Q4_1: 20 bytes per 32 weights, its scale and offset kept as
+the file's float16s; Q8_0: 36, its offset 0 kept too). The weights the kernel computes are gguf's dequantization's to the bit, so
 the engine's outputs equal the fp32 path's on the same file (tests/test_quant.py).
 
 `Quantized` is a weight as read from the file, row by row (the loader permutes and joins
@@ -46,9 +46,15 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        """Its size in the kernel's panels (4-bit codes two to a byte; a scale and an offset,
-        float32, per 32 weights)."""
-        return self.q.numel() * self.bits // 8 + 8 * self.d.numel()
+        """Its size in the kernel's panels (4-bit codes two to a byte; a scale and an offset
+        per 32 weights, float16 where they are exactly float16s)."""
+        return self.q.numel() * self.bits // 8 + (4 if self.half else 8) * self.d.numel()
+
+    @property
+    def half(self) -> bool:
+        """Whether its scales and offsets are all float16 numbers (the file's, for Q4_0,
+        Q4_1 and Q8_0; not Q4_K's products): the panels then hold them in half the bytes."""
+        return all(bool((s.half().float() == s).all()) for s in (self.d, self.offset()))
 
     def offset(self) -> torch.Tensor:
         """o in the kernel's weight q * d + o (cpu_quant.c): exact."""
@@ -117,8 +123,9 @@ def _quantized(kind: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None) ->
 @dataclass(slots=True)
 class QPanels:
     """A quantized weight [n, k] in the kernel's panels (cpu_quant.c): codes [panels, ...]
-    and scales [panels, k / 32, 2, NR] (gate/up: their panels in turn). `dot`: x rounded to
-    8 bits for integer products (quantization q8), else exact fp32 products."""
+    and scales [panels, k / 32, 2, NR], float16 or float32 (gate/up: their panels in turn).
+    `dot`: x rounded to 8 bits for integer products (quantization q8), else exact fp32
+    products."""
     bits: int
     codes: torch.Tensor
     scales: torch.Tensor
@@ -128,7 +135,11 @@ class QPanels:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+    @property
+    def half(self) -> bool:
+        return self.scales.dtype == torch.float16
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self, bias)
@@ -144,14 +155,14 @@ def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
     return cpu_build.functions("cpu_quant", _fns, {
         "nr": ("fanout_quant_nr", [], I64),
-        "linear": ("fanout_quant_linear", [I64, I64, P, I64, I64, I64, P, P, I64, P, P, I64]),
-        "silu_mul": ("fanout_quant_silu_mul", [I64, I64, P, I64, I64, I64, P, P, I64, P, I64]),
-        "rows": ("fanout_quant_rows", [I64, P, P, I64, P, I64, P])})
+        "linear": ("fanout_quant_linear", [I64, I64, P, I64, I64, I64, P, P, I64, I64, P, P, I64]),
+        "silu_mul": ("fanout_quant_silu_mul", [I64, I64, P, I64, I64, I64, P, P, I64, I64, P, I64]),
+        "rows": ("fanout_quant_rows", [I64, P, P, I64, I64, P, I64, P])})
 
 
-def _panels(w: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [panels, ...], scales [panels, k / 32, 2, NR]: d, o); the last panel's missing
-    columns zero."""
+def _panels(w: Quantized, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [panels, ...], scales [panels, k / 32, 2, NR]: d, o, float16 where half); the
+    last panel's missing columns zero."""
     nr = _fns["nr"]()
     n, k = w.shape
     if k % GROUP:
@@ -170,19 +181,21 @@ def _panels(w: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
         eights = q.view(-1, nr, k // GROUP, 4, 2, 4)
         codes = (eights[..., 0, :] | (eights[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
     scales = torch.stack([pad(s).view(-1, nr, k // GROUP) for s in (w.d, w.offset())], dim=2)  # [panels, NR, 2, G]
-    return codes, scales.permute(0, 3, 2, 1).contiguous()
+    scales = scales.permute(0, 3, 2, 1).contiguous()
+    return codes, scales.half() if half else scales
 
 
 def pack(w: Quantized, dot: bool = False) -> QPanels:
     """A quantized weight [n, k] (call load() first)."""
-    return QPanels(w.bits, *_panels(w), *w.shape, dot)
+    return QPanels(w.bits, *_panels(w, w.half), *w.shape, dot)
 
 
 def pack_gate_up(gate: Quantized, up: Quantized, dot: bool = False) -> QPanels:
     """The MLP's gate and up, their panels interleaved for `silu_mul`."""
     if gate.bits != up.bits:
         raise ValueError("cpu_quant: gate and up of different widths")
-    (gc, gs), (uc, us) = _panels(gate), _panels(up)
+    half = gate.half and up.half
+    (gc, gs), (uc, us) = _panels(gate, half), _panels(up, half)
     codes = torch.stack([gc, uc], dim=1).flatten(0, 1).contiguous()
     scales = torch.stack([gs, us], dim=1).flatten(0, 1).contiguous()
     return QPanels(gate.bits, codes, scales, *gate.shape, dot)
@@ -193,7 +206,7 @@ def linear(x: torch.Tensor, w: QPanels, bias: torch.Tensor | None = None) -> tor
     x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["linear"](w.bits, w.dot, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
-                   w.scales.data_ptr(), w.n, None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
+                   w.scales.data_ptr(), w.half, w.n, None if bias is None else bias.data_ptr(), y.data_ptr(), w.n)
     return y
 
 
@@ -202,7 +215,7 @@ def silu_mul(x: torch.Tensor, w: QPanels) -> torch.Tensor:
     x = matmul_input(x, w.k, "cpu_quant")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     _fns["silu_mul"](w.bits, w.dot, x.data_ptr(), x.shape[0], w.k, x.stride(0), w.codes.data_ptr(),
-                     w.scales.data_ptr(), w.n, y.data_ptr(), w.n)
+                     w.scales.data_ptr(), w.half, w.n, y.data_ptr(), w.n)
     return y
 
 
@@ -212,6 +225,6 @@ def rows(ids: torch.Tensor, w: QPanels) -> torch.Tensor:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.n):
         raise IndexError(f"cpu_quant: row ids must lie in [0, {w.n})")
     out = torch.empty(ids.numel(), w.k, dtype=torch.float32)
-    _fns["rows"](w.bits, w.codes.data_ptr(), w.scales.data_ptr(), w.k, ids.data_ptr(), ids.numel(),
+    _fns["rows"](w.bits, w.codes.data_ptr(), w.scales.data_ptr(), w.half, w.k, ids.data_ptr(), ids.numel(),
                  out.data_ptr())
     return out.view(*ids.shape, w.k)
