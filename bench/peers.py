@@ -29,7 +29,9 @@ this alone took it from 273 to 355 tok/s); the run says so, or says which is mis
 
 A llama.cpp whose first run crashes with its weights repacked (its AMX path on a virtualized
 Xeon: SIGSEGV, ggml-org/llama.cpp#20824) runs again with them as stored, named so in the
-table. Every output runs to its length (EOS ignored). Each engine runs in its own process
+table. A workload an engine's setup cannot hold (llama.cpp's contexts take 64 sequences: not
+prefix256's 256) is skipped for it, said so, "n/a" in the table. Every output runs to its
+length (EOS ignored). Each engine runs in its own process
 (bench/peer_worker.py), loaded once; a round runs every workload on every engine in turn
 (A B C, A B C: machine noise hits all alike), nothing cached from one run to the next. Per
 engine and workload: median tok/s over the rounds with min and max, the median of the
@@ -226,6 +228,9 @@ def main() -> None:
         for w in names:
             for p in peers:
                 res = p.run(work[w])
+                if "skipped" in res:
+                    print(f"round {r + 1} {w:8s} {p.name:20s} skipped: {res['skipped']}", flush=True)
+                    continue
                 runs[w][p.name].append(res)
                 tokens = sum(len(s) for item in res["outputs"] for s in item)
                 print(f"round {r + 1} {w:8s} {p.name:20s} {tokens / res['seconds']:7.1f} tok/s "
@@ -234,7 +239,7 @@ def main() -> None:
         p.close()
     table = summarize(work, runs, [p.name for p in peers])
     save("peers", dict(threads=args.threads, rounds=args.rounds, table=table,
-                       outputs={w: {e: rs[0]["outputs"] for e, rs in by.items()} for w, by in runs.items()},
+                       outputs={w: {e: rs[0]["outputs"] for e, rs in by.items() if rs} for w, by in runs.items()},
                        prompt_tokens={w: [len(x) for x in work[w]["prompts"]] for w in names},
                        when=time.strftime("%Y-%m-%d %H:%M")))
     print_table(table, names)
@@ -249,6 +254,8 @@ def summarize(work, runs, engines) -> dict:
         out[w] = {}
         for e in engines:
             res = by_engine[e]
+            if not res:  # the engine could not take this workload
+                continue
             got = [sum(len(s) for item in r["outputs"] for s in item) for r in res]
             rate = [want / r["seconds"] for r in res]
             row = dict(tok_s=statistics.median(rate), min=min(rate), max=max(rate),
@@ -263,13 +270,16 @@ def summarize(work, runs, engines) -> dict:
 
 
 def print_table(table, names) -> None:
-    engines = list(table[names[0]])
+    engines = list(dict.fromkeys(e for w in names for e in table[w]))
     print("\n| tok/s, median (min-max); ratio to Fanout | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for e in engines:
         cells = []
         for w in names:
-            r = table[w][e]
+            r = table[w].get(e)
+            if r is None:
+                cells.append("n/a")
+                continue
             c = f"{r['tok_s']:.1f} ({r['min']:.1f}-{r['max']:.1f}), {r['ratio']:.2f}x"
             if "equal_to_transformers" in r:
                 c += f", {r['equal_to_transformers']}/{r['of']} = HF"
@@ -277,7 +287,8 @@ def print_table(table, names) -> None:
                 c += ", INCOMPLETE"
             cells.append(c)
         print(f"| {e} | " + " | ".join(cells) + " |")
-    print("peak RSS MB: " + ", ".join(f"{e} {max(table[w][e]['rss_mb'] for w in names):.0f}" for e in engines))
+    print("peak RSS MB: " + ", ".join(f"{e} {max(table[w][e]['rss_mb'] for w in names if e in table[w]):.0f}"
+                                      for e in engines))
 
 
 if __name__ == "__main__":

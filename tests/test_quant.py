@@ -44,17 +44,18 @@ def test_the_kernel_equals_the_fp32_kernel_on_the_dequantized_weight(type_name, 
 def dot_reference(x: torch.Tensor, w: cpu_quant.Quantized) -> torch.Tensor:
     """The dot way: x rounded to 8 bits per 32 as the kernel rounds it (scale amax / 127 and
     its inverse in float32, half away from zero: llama.cpp's Q8 blocks), then in float64 each
-    group's integer sum scaled by d dx, plus the offset times x's sum."""
+    group's integer sum scaled by d dx, plus the offset times the rounded x's sum: the
+    weights times the rounded x."""
     x32 = x.view(x.shape[0], -1, 32)
     d32 = x32.abs().amax(-1, keepdim=True) / 127
     v = (x32 * torch.where(d32 > 0, 1 / d32, 0)).double()
     xq = torch.sign(v) * torch.floor(v.abs() + 0.5)
-    xg, dx = x32.double(), d32.double()
+    dx = d32.double()
     q = w.q.view(torch.int8).double() if w.kind == 2 else w.q.double()
     qg = q.view(q.shape[0], -1, 32)
     sums = torch.einsum("mgk,ngk->mng", xq, qg)
     return (sums * w.d.double()[None] * dx[:, None, :, 0]
-            + w.offset().double()[None] * xg.sum(-1)[:, None, :]).sum(-1)
+            + w.offset().double()[None] * (dx[..., 0] * xq.sum(-1))[:, None, :]).sum(-1)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -114,6 +115,26 @@ def test_rows_permuted_and_joined_stay_exact():
     assert torch.equal(cpu_quant.Quantized.cat([a, b]).dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     with pytest.raises(ValueError, match="different kinds"):
         cpu_quant.Quantized.cat([a, cpu_quant.from_blocks("Q8_0", random_blocks("Q8_0", n, k), n, k)])
+
+
+def test_scales_are_kept_as_float16_only_where_exact():
+    """Q4_0, Q4_1 and Q8_0 keep the file's float16 scales (20 bytes per 32 Q4_1 weights);
+    Q4_K's products of two scales stay float32, and so does a Q4_0 whose offset -8 d
+    overflows float16. Every way gives the same floats as before."""
+    n, k = 100, 512
+    for type_name, half in (("Q4_0", True), ("Q4_1", True), ("Q8_0", True), ("Q4_K", False)):
+        w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
+        assert cpu_quant.pack(w).half is half and w.half is half, type_name
+    w = cpu_quant.from_blocks("Q4_1", random_blocks("Q4_1", n, k), n, k)
+    assert w.nbytes == n * k * 20 // 32
+    big = cpu_quant.from_blocks("Q4_0", random_blocks("Q4_0", n, k), n, k)
+    big.d[3, 2] = 16384.0  # a float16; -8 d is not
+    packed = cpu_quant.pack(big)
+    assert not packed.half and packed.scales.dtype == torch.float32
+    x = torch.randn(5, k)
+    dense = big.dequantize()
+    assert torch.equal(cpu_quant.linear(x, packed), cpu_linear.linear(x, cpu_linear.pack(dense)))
+    assert torch.equal(cpu_quant.rows(torch.tensor([3, 7]), packed), dense[[3, 7]])
 
 
 def test_eight_bit_weights_are_the_gpus(llama_path):

@@ -10,9 +10,11 @@ codes kept in memory and multiplied where they are read, two ways (QPanels.dot p
   llama.cpp's Q8 blocks), and a group's 32 products are summed as integers (AVX-512 VNNI's
   dpbusd: 64 byte products summed into 16 lanes a instruction, against 16 fp32 FMAs; else
   AVX2's maddubs, 32 a instruction; no code turned into a float), then scaled: y += d dx
-  sum(q xq) + o sum(x). The integer sums are exact, so both instruction sets give the same
-  floats. Not equal to the fp32 model's: within the rounding of x to 8 bits, as llama.cpp's
-  own products.
+  sum(q xq) + o dx sum(xq), the weights times the rounded x (the offset too: with x's own
+  sum there, the rounding's errors would meet the codes 0..15, all positive, not the
+  weights about 0, and the error would be ~2x). The integer sums are exact, so both
+  instruction sets give the same floats. Not equal to the fp32 model's: within the
+  rounding of x to 8 bits, as llama.cpp's own products (Q8_1's sum is dx sum(xq) too).
 
 The panels are NR output columns of K, a group of 32 k at a time, each column's codes for
 4 k in one 32-bit lane (an integer dot product's unit):
@@ -151,24 +153,23 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
 }
 
 /* x's rows rounded to 8 bits (the dot way): per row and group of 32, codes xq in -127..127,
-   its scale amax / 127 and the group's fp32 sum (for the weights' offsets) */
+   its scale dx = amax / 127 and the rounded group's sum dx sum(xq) (for the weights' offsets) */
 typedef struct {
     int8_t *q;  /* [M][K] */
     float *d, *s; /* [M][K / 32] */
-    int32_t *qs; /* [M][K / 32]: the group's sum of xq (VNNI's signed 8-bit codes, below) */
+    int32_t *qs; /* [M][K / 32]: sum(xq) (for s, and for VNNI's 8-bit codes, below) */
 } Rows8;
 
 typedef int8_t vb __attribute__((vector_size(VL))); /* VL bytes: a vector's codes */
 
 /* One group of 32 of x: its codes (roundf's half away from zero, in vectors: truncated, then
-   a step out where the rest is a half or more), scale, sum and codes' sum */
+   a step out where the rest is a half or more), scale, rounded sum and codes' sum */
 INLINE void round_group(const float *xg, int8_t *q, float *d, float *s, int32_t *qs) {
-    vf v[32 / VL], top = {0}, sum = {0};
+    vf v[32 / VL], top = {0};
     for (int j = 0; j < 32 / VL; j++) {
         v[j] = load(xg + j * VL);
         const vf a = (vf)((vi)v[j] & 0x7fffffff);
         top = pick(a > top, a, top);
-        sum += v[j];
     }
     float amax = 0;
     for (int l = 0; l < VL; l++) amax = fmaxf(amax, top[l]);
@@ -183,10 +184,10 @@ INLINE void round_group(const float *xg, int8_t *q, float *d, float *s, int32_t 
         const vb b = __builtin_convertvector(c, vb);
         memcpy(q + j * VL, &b, VL);
     }
-    *d = scale;
-    *s = hsum(sum);
     *qs = 0;
     for (int l = 0; l < VL; l++) *qs += total[l];
+    *d = scale;
+    *s = scale * (float)*qs;
 }
 
 static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
