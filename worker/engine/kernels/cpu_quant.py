@@ -4,7 +4,7 @@ dequantized a piece at a time in the kernel.
 
 Why: a decode step reads every weight of the model, so at small batches its time is the
 weights' bytes over the memory's bandwidth. In fp32 SmolLM2-135M is 540 MB; its Q4_1 file's
-codes and scales here are ~97 MB (Q4_1: 20 bytes per 32 weights, its scale and offset kept as
+codes and scales here are ~98 MB (Q4_1: 20 bytes per 32 weights, its scale and offset kept as
 the file's float16s; Q8_0: 36, its offset 0 kept too). The weights the kernel computes are gguf's dequantization's to the bit, so
 the engine's outputs equal the fp32 path's on the same file (tests/test_quant.py).
 
