@@ -1,5 +1,10 @@
 """Quantized weights on the CPU (kernels/cpu_quant.c): GGUF's blocks read as gguf reads them,
 and the kernel's products equal the fp32 kernel's on the dequantized weight, float for float."""
+import os
+import platform
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -11,6 +16,7 @@ from worker.engine.kernels import cpu_linear, cpu_quant
 pytestmark = pytest.mark.skipif(not (cpu_quant.load() and cpu_linear.load()), reason="no C compiler")
 
 TYPES = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference(type_name: str, data: np.ndarray, n: int, k: int) -> torch.Tensor:
@@ -159,3 +165,42 @@ def test_the_kernel_benchmark_runs():
     for r in rows:
         assert all(r[f"{w}_cache_us"] > 0 for w in ("exact", "dot", "fp32"))
         assert r["exact_memory_gb_s"] > 0 and r["dot_memory_gb_s"] > 0 and r["dot_vs_exact_cache"] > 0
+
+
+# Run in a child built for another instruction set: each kernel's outputs for the same inputs.
+OTHER_ISA = """
+import sys
+import torch
+from bench.quant_kernel import random_blocks
+from worker.engine.kernels import cpu_build, cpu_quant
+cpu_build.FLAGS[cpu_build.FLAGS.index("-march=native")] = "-march=" + sys.argv[1]
+assert cpu_quant.load()
+out = {}
+for t in ("Q4_1", "Q8_0", "Q4_K"):
+    n, k = 100, 512
+    w = cpu_quant.from_blocks(t, random_blocks(t, n, k), n, k)
+    for rows in (1, 9, 70):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        for dot in (False, True):
+            out[t, rows, dot] = cpu_quant.linear(x, cpu_quant.pack(w, dot=dot))
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the other x86 instruction sets")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_the_same_floats_on_other_instruction_sets(march, tmp_path):
+    """The kernel built for AVX2 + F16C (v3: maddubs, 8 lanes) and AVX-512 without VNNI (v4)
+    gives the floats this machine's build gives, both ways: every sum is a chain of FMAs in
+    k or group order whatever the vector width, and the integer sums are exact. CI runs on
+    one machine; this keeps the paths it does not take honest."""
+    path = tmp_path / "out.pt"
+    done = subprocess.run([sys.executable, "-c", OTHER_ISA, march, str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = torch.load(path)
+    for (t, rows, dot), y in theirs.items():
+        n, k = 100, 512
+        w = cpu_quant.from_blocks(t, random_blocks(t, n, k), n, k)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(cpu_quant.linear(x, cpu_quant.pack(w, dot=dot)), y), (t, rows, dot)
