@@ -167,23 +167,30 @@ def test_the_kernel_benchmark_runs():
         assert r["exact_memory_gb_s"] > 0 and r["dot_memory_gb_s"] > 0 and r["dot_vs_exact_cache"] > 0
 
 
-# Run in a child built for another instruction set: each kernel's outputs for the same inputs.
+def isa_outputs() -> dict:
+    """Both ways' outputs for fixed weights and rows: what each instruction set's build must
+    give alike."""
+    out = {}
+    for t in ("Q4_1", "Q8_0", "Q4_K"):
+        n, k = 100, 512
+        w = cpu_quant.from_blocks(t, random_blocks(t, n, k), n, k)
+        for rows in (1, 9, 70):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            for dot in (False, True):
+                out[t, rows, dot] = cpu_quant.linear(x, cpu_quant.pack(w, dot=dot))
+    return out
+
+
+# A child that builds the kernel for another instruction set (before anything loads it) and
+# saves isa_outputs() from that build.
 OTHER_ISA = """
 import sys
 import torch
-from bench.quant_kernel import random_blocks
-from worker.engine.kernels import cpu_build, cpu_quant
+from worker.engine.kernels import cpu_build
 cpu_build.FLAGS[cpu_build.FLAGS.index("-march=native")] = "-march=" + sys.argv[1]
-assert cpu_quant.load()
-out = {}
-for t in ("Q4_1", "Q8_0", "Q4_K"):
-    n, k = 100, 512
-    w = cpu_quant.from_blocks(t, random_blocks(t, n, k), n, k)
-    for rows in (1, 9, 70):
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        for dot in (False, True):
-            out[t, rows, dot] = cpu_quant.linear(x, cpu_quant.pack(w, dot=dot))
-torch.save(out, sys.argv[2])
+sys.path.insert(0, "tests")
+from test_quant import isa_outputs
+torch.save(isa_outputs(), sys.argv[2])
 """
 
 
@@ -206,9 +213,7 @@ def test_the_same_floats_on_other_instruction_sets(march, tmp_path):
     done = subprocess.run([sys.executable, "-c", OTHER_ISA, march, str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    theirs = torch.load(path)
-    for (t, rows, dot), y in theirs.items():
-        n, k = 100, 512
-        w = cpu_quant.from_blocks(t, random_blocks(t, n, k), n, k)
-        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(cpu_quant.linear(x, cpu_quant.pack(w, dot=dot)), y), (t, rows, dot)
+    theirs, ours = torch.load(path), isa_outputs()
+    assert theirs.keys() == ours.keys()
+    for key, y in ours.items():
+        assert torch.equal(theirs[key], y), key

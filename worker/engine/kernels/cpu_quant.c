@@ -153,18 +153,21 @@ INLINE void qtile(const int mr, const int bits, const float *x, int64_t ldx, con
 }
 
 /* x's rows rounded to 8 bits (the dot way): per row and group of 32, codes xq in -127..127,
-   its scale dx = amax / 127 and the rounded group's sum dx sum(xq) (for the weights' offsets) */
+   its scale dx = amax / 127 and sum(xq) (the rounded group's sum, dx sum(xq), meets the
+   weights' offsets; VNNI's 8-bit codes need it too) */
 typedef struct {
     int8_t *q;  /* [M][K] */
-    float *d, *s; /* [M][K / 32] */
-    int32_t *qs; /* [M][K / 32]: sum(xq) (for s, and for VNNI's 8-bit codes, below) */
+    float *d; /* [M][K / 32] */
+    int32_t *qs; /* [M][K / 32] */
 } Rows8;
+
+INLINE float rounded_sum(Rows8 r, int64_t i) { return r.d[i] * (float)r.qs[i]; }
 
 typedef int8_t vb __attribute__((vector_size(VL))); /* VL bytes: a vector's codes */
 
 /* One group of 32 of x: its codes (roundf's half away from zero, in vectors: truncated, then
-   a step out where the rest is a half or more), scale, rounded sum and codes' sum */
-INLINE void round_group(const float *xg, int8_t *q, float *d, float *s, int32_t *qs) {
+   a step out where the rest is a half or more), scale and codes' sum */
+INLINE void round_group(const float *xg, int8_t *q, float *d, int32_t *qs) {
     vf v[32 / VL], top = {0};
     for (int j = 0; j < 32 / VL; j++) {
         v[j] = load(xg + j * VL);
@@ -187,22 +190,20 @@ INLINE void round_group(const float *xg, int8_t *q, float *d, float *s, int32_t 
     *qs = 0;
     for (int l = 0; l < VL; l++) *qs += total[l];
     *d = scale;
-    *s = scale * (float)*qs;
 }
 
 static Rows8 rows8(const float *x, int64_t M, int64_t K, int64_t ldx) {
     const int64_t ng = K / 32, n = M * ng;
-    Rows8 r = {malloc(M * K), malloc(n * sizeof(float)), malloc(n * sizeof(float)), malloc(n * sizeof(int32_t))};
+    Rows8 r = {malloc(M * K), malloc(n * sizeof(float)), malloc(n * sizeof(int32_t))};
 #pragma omp parallel for schedule(static) if (M > 16)
     for (int64_t i = 0; i < n; i++)
-        round_group(x + i / ng * ldx + i % ng * 32, r.q + i * 32, r.d + i, r.s + i, r.qs + i);
+        round_group(x + i / ng * ldx + i % ng * 32, r.q + i * 32, r.d + i, r.qs + i);
     return r;
 }
 
 static void rows8_free(Rows8 r) {
     free(r.q);
     free(r.d);
-    free(r.s);
     free(r.qs);
 }
 
@@ -245,7 +246,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
             }
         for (int m = 0; m < mr; m++) {
             const int64_t i = (m0 + m) * ng + G;
-            const __m512 dx = _mm512_set1_ps(r.d[i]), sx = _mm512_set1_ps(r.s[i]);
+            const __m512 dx = _mm512_set1_ps(r.d[i]), sx = _mm512_set1_ps(rounded_sum(r, i));
             for (int v = 0; v < NV; v++) {
                 __m512i sum = s[m][v];
                 if (bits == 8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * r.qs[i]));
@@ -307,7 +308,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
                 const int64_t i = (m0 + m) * ng + G;
                 const __m256i sum = bits == 4 ? _mm256_madd_epi16(s[m], ones) : s[m];
                 a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(r.d[i])), a[m]);
-                a[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(r.s[i]), a[m]);
+                a[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(rounded_sum(r, i)), a[m]);
             }
         }
         for (int m = 0; m < mr; m++) _mm256_storeu_ps(t[m] + col, a[m]);
@@ -332,7 +333,7 @@ INLINE void dtile(const int mr, const int bits, Rows8 r, int64_t m0, int64_t K, 
                     sum += q * xq[k];
                 }
                 a = fmaf((float)sum, scale_at(scales, 2 * G * NR + j) * r.d[i], a);
-                a = fmaf(scale_at(scales, (2 * G + 1) * NR + j), r.s[i], a);
+                a = fmaf(scale_at(scales, (2 * G + 1) * NR + j), rounded_sum(r, i), a);
             }
             t[m][j] = a;
         }
