@@ -58,6 +58,10 @@ def peak_rss_mb() -> float:
     return total / 1024
 
 
+class CannotHold(Exception):
+    """A workload this engine's setup cannot take (said, not fatal: bench/peers.py skips it)."""
+
+
 class Fanout:
     overlap = False
     quantization = "none"  # fp32 weights, dequantized from the file at load
@@ -195,7 +199,7 @@ class LlamaCpp:
         mem = L.llama_get_memory(self.ctx)
         L.llama_memory_clear(mem, True)
         if len(prompts) * n > self.SEQS or (n == 1 and max(map(len, prompts)) + m > self.CTX // self.SEQS):
-            raise ValueError(f"at most {self.SEQS} sequences of {self.CTX // self.SEQS} tokens")
+            raise CannotHold(f"at most {self.SEQS} sequences of {self.CTX // self.SEQS} tokens")
         seqs = [(i, j) for i in range(len(prompts)) for j in range(n)]  # seq id = position here
         samplers = [self._sampler(temperature, seed + k) for k in range(len(seqs))]
         outs = [[] for _ in seqs]
@@ -248,7 +252,7 @@ def main() -> None:
         t = time.perf_counter()
         try:
             outputs = engine.run(w["prompts"], w["max_new_tokens"], w["n"], w["temperature"], w["seed"])
-        except ValueError as e:  # a workload this engine's setup cannot hold: said, not fatal
+        except CannotHold as e:
             print(json.dumps({"skipped": str(e)}), file=out, flush=True)
             continue
         dt = time.perf_counter() - t
