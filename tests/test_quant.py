@@ -107,8 +107,11 @@ def test_rows_are_the_dequantized_rows(type_name):
     w = cpu_quant.from_blocks(type_name, random_blocks(type_name, n, k), n, k)
     ids = torch.tensor([0, 99, 47, 48, 47])
     assert torch.equal(cpu_quant.rows(ids, cpu_quant.pack(w)), w.dequantize()[ids])
-    with pytest.raises(IndexError, match=r"\[0, 100\)"):
-        cpu_quant.rows(torch.tensor([100]), cpu_quant.pack(w))
+    for bad in (100, -1):  # checked before any row is written; the message names the id
+        with pytest.raises(IndexError, match=rf"\[0, 100\), got {bad}$"):
+            cpu_quant.rows(torch.tensor([3, bad, 4]), cpu_quant.pack(w))
+    big = torch.arange(n).repeat(3)  # enough rows to run on every thread
+    assert torch.equal(cpu_quant.rows(big, cpu_quant.pack(w)), w.dequantize()[big])
 
 
 def test_rows_permuted_and_joined_stay_exact():

@@ -75,6 +75,40 @@ def test_greedy_is_argmax():
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
+    """The greedy pick in C on a CPU (cpu_pointwise.argmax) or torch's max: the first of equal
+    maxima, a NaN counted as the largest (torch.max's rule), all -inf -> 0, padding columns
+    skipped through the rows' stride; one row, and enough rows to run on every thread."""
+    from worker.engine.kernels import cpu_pointwise
+    from worker.engine.sampler import greedy
+    if c_kernel and not cpu_pointwise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    if not c_kernel:
+        monkeypatch.setattr(cpu_pointwise, "load", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    V = 49157  # not a whole number of vectors: the tail is scanned too
+    x = torch.randn(12, V + 3, generator=g)
+    x[:, V:] = 1e9  # padding: never picked
+    x[1, [7, 900, V - 1]] = 50.0  # ties: the first
+    x[2, V - 1] = 50.0  # in the tail
+    x[3, :V] = -math.inf
+    x[4, [10, 20]] = math.nan
+    x[5, 5] = 50.0
+    x[5, 300] = math.nan  # a NaN beats a larger number before it
+    x[6, 0], x[6, 1] = -0.0, 0.0  # equal: the first
+    x[6, 2:V] = -1.0
+    rows = x[:, :V]
+    want = rows.max(dim=-1).indices
+    assert want[:7].tolist() == [want[0].item(), 7, V - 1, 0, 10, 300, 0]
+    assert torch.equal(greedy(rows), want)
+    assert torch.equal(greedy(rows[5:6]), want[5:6])
+    wide = torch.randn(64, V, generator=g)  # 3M floats: both threads
+    assert torch.equal(greedy(wide), wide.max(dim=-1).indices)
+    s = Sampler(V, "cpu")
+    assert s(x, [req(seed=i, temperature=0.0) for i in range(12)]).token_ids == want.tolist()
+
+
 def test_top_k_1_is_greedy_whatever_the_temperature():
     logits = logits_for(8, 50)
     s = Sampler(50, "cpu")

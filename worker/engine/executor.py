@@ -114,7 +114,13 @@ class Executor:
             if p.sample[i]:
                 sample_reqs.append(r)
                 sample_rows.append(last)
-        out = self.sampler(logits[sample_rows].float(), sample_reqs) if sample_reqs else None
+        out = None
+        if sample_reqs:
+            # All rows in order (they only grow) are not copied, unless prompt logits kept above
+            # are views of them: a grammar's mask is applied to the sampler's input in place.
+            whole = sample_rows[-1] == len(sample_rows) - 1 == logits.shape[0] - 1 \
+                and all(t is None for t in prompt)
+            out = self.sampler((logits if whole else logits[sample_rows]).float(), sample_reqs)
         return BatchOutput(batch, prompt, prompt_lps, sample_reqs, out)
 
     @staticmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .grammar import Masks
-from .kernels import cpu_noise
+from .kernels import cpu_noise, cpu_pointwise
 from .req import Req
 
 _M32 = 0xFFFFFFFF
@@ -141,6 +141,16 @@ def records(lsm: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[Toke
     return out
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first of equal maxima: in C on a CPU (cpu_pointwise.argmax, ~5 us
+    a [1, 49152] row against ~40 for torch), else max's indices (argmax's at a third of its time
+    on a CPU: [64, 49152] 0.9 vs 2.3 ms)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 \
+            and cpu_pointwise.load():
+        return cpu_pointwise.argmax(logits)
+    return logits.max(dim=-1).indices
+
+
 def _filters(p, V: int) -> bool:
     """Does top-k or top-p cut the row's vocabulary?"""
     return 0 < p.top_k < V or p.top_p < 1.0
@@ -175,9 +185,7 @@ class Sampler:
                 self._masks = Masks(self.vocab_size, self.device)
             self._masks.apply(raw, constrained, [reqs[i].grammar for i in constrained])
         if all(r.params.greedy and not self._needs_penalty(r) for r in reqs):
-            # Fast path: nothing to change, nothing to draw. max's indices are argmax's (the
-            # first of equal maxima) at a third of its time on a CPU ([64, 49152]: 0.9 vs 2.3 ms).
-            tokens = raw.max(dim=-1).indices
+            tokens = greedy(raw)  # fast path: nothing to change, nothing to draw
         else:
             tokens = self._sample(self.apply_penalties(raw, reqs), reqs)
         return SampleOutput(tokens.tolist(), self._logprobs(lsm, tokens, reqs, rows) if rows else None)

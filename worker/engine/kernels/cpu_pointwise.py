@@ -1,5 +1,6 @@
 """The per-row steps between a layer's matmuls on a CPU in fp32 (cpu_pointwise.c), built and
-loaded by cpu_build.py: residual add + RMSNorm, and RoPE + the new tokens' K/V store.
+loaded by cpu_build.py: residual add + RMSNorm, and RoPE + the new tokens' K/V store; and the
+greedy pick from the logits (argmax).
 
 Why C: with the matmuls in cpu_linear.c, what was left of a decode step's forward outside
 them and attention was dozens of small torch ops a layer (RMSNorm's six, RoPE's dozen, the
@@ -22,7 +23,8 @@ def load() -> bool:
     """Whether the kernels are here (built, or built now); False where they cannot be built."""
     return cpu_build.functions("cpu_pointwise", _fns, {
         "add_rmsnorm": ("fanout_add_rmsnorm", [P, P, P, P, I64, I64, ctypes.c_float]),
-        "rope_store": ("fanout_rope_store", [P, I64, I64, P, P, I64, I64, I64, P, P, P, P])})
+        "rope_store": ("fanout_rope_store", [P, I64, I64, P, P, I64, I64, I64, P, P, P, P]),
+        "argmax": ("fanout_argmax", [P, I64, I64, I64, P])})
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -53,3 +55,14 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
                        num_heads, num_kv_heads, D, q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                        slots.data_ptr())
     return q
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.max(dim=-1).indices for x [M, N] float32 with unit column stride (rows may be strided):
+    the first of equal maxima, a NaN counting as the largest. int64 [M]."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] == 0:
+        raise ValueError(f"cpu_pointwise.argmax: expected non-empty [M, N] float32 rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    idx = torch.empty(x.shape[0], dtype=torch.int64)
+    _fns["argmax"](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), idx.data_ptr())
+    return idx

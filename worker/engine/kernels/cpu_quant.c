@@ -470,10 +470,13 @@ void fanout_quant_silu_mul(int64_t bits, int64_t dot, const float *x, int64_t M,
 
 /* out [n, K] = rows ids[0..n) of W (the weight's output columns: an embedding table's
    lookup, from the same panels as its tied lm_head), each weight q * d + o as above. */
-void fanout_quant_rows(int64_t bits, const uint8_t *codes, const void *scales, int64_t half, int64_t K,
-                       const int64_t *ids, int64_t n, float *out) {
+int64_t fanout_quant_rows(int64_t bits, const uint8_t *codes, const void *scales, int64_t half, int64_t K,
+                          int64_t N, const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return i + 1; /* nothing written */
     const int64_t cb = panel_codes((int)bits, K), sb = panel_scales(K), gb = group_codes((int)bits);
-#pragma omp parallel for schedule(static)
+    /* A decode step's few rows on one thread: waking the others costs more than they take. */
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
     for (int64_t i = 0; i < n; i++) {
         const int64_t p = ids[i] / NR, j = ids[i] % NR;
         const uint8_t *c = codes + p * cb + j * 4;
@@ -487,4 +490,5 @@ void fanout_quant_rows(int64_t bits, const uint8_t *codes, const void *scales, i
             o[k] = __builtin_fmaf(q, scale_at(s, (k / 32) * 2 * NR + j), scale_at(s, ((k / 32) * 2 + 1) * NR + j));
         }
     }
+    return 0;
 }
