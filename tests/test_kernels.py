@@ -2,6 +2,7 @@
 attention backend against the torch backend, and the CPU decode kernel (C) against the torch
 path. Shapes stay tiny: the interpreter is slow."""
 import logging
+import math
 import os
 import shutil
 
@@ -220,6 +221,43 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
     out, ref, meta = _kernels_against_torch(fb, gen, hq, hkv, d)
     assert meta.kernel is not None and len(meta.kernel.rows) == 7
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 48), (16, 1, 16)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0)])
+def test_cpu_decode_kernel_row_alone_equals_row_in_a_batch(hq, hkv, d, window, softcap):
+    """With fewer rows than threads the kernel splits a row's kv heads over the threads (one
+    task each), with more it runs whole rows: each head's output is the same floats either
+    way, and the same as torch's path within float error."""
+    from worker.engine.kernels import cpu_decode
+    fn = cpu_decode.load(torch.float32, hq, hkv, d)
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 17, 48, 95, 33, 64, 5, 16]
+    table, req = _table(lens, 16, gen)
+    kc, vc = _buffers(16, hkv, d, torch.float32, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    lens_t = torch.tensor(lens)
+    batch = torch.full_like(q, math.nan)
+    cpu_decode.decode_attention(fn, q, batch, kc, vc, table, torch.arange(len(lens)), req, lens_t,
+                                d ** -0.5, window, softcap)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(threads, 2))  # two threads at least: the split runs
+        for b in range(len(lens)):
+            alone = torch.full_like(q, math.nan)
+            cpu_decode.decode_attention(fn, q, alone, kc, vc, table, torch.tensor([b]), req[b:b + 1],
+                                        lens_t[b:b + 1], d ** -0.5, window, softcap)
+            assert torch.equal(alone[b], batch[b]), b
+    finally:
+        torch.set_num_threads(threads)
+    for b, n in enumerate(lens):  # against plain attention over the row's visible keys
+        keys = table[req[b], max(0, n - window) if window else 0:n]
+        k, v = kc[keys].repeat_interleave(hq // hkv, 1), vc[keys].repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,thd->ht", q[b], k) * d ** -0.5
+        s = softcap * torch.tanh(s / softcap) if softcap else s
+        ref = torch.einsum("ht,thd->hd", torch.softmax(s, -1), v)
+        torch.testing.assert_close(batch[b], ref, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the CPU kernel is not built here")
