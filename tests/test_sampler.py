@@ -79,7 +79,7 @@ def test_greedy_is_argmax():
 def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
     """The greedy pick in C on a CPU (cpu_pointwise.argmax) or torch's max: the first of equal
     maxima, a NaN counted as the largest (torch.max's rule), all -inf -> 0, padding columns
-    skipped through the rows' stride; one row, and enough rows to run on every thread."""
+    skipped through the rows' stride; one row and many, on every thread."""
     from worker.engine.kernels import cpu_pointwise
     from worker.engine.sampler import greedy
     if c_kernel and not cpu_pointwise.load():
@@ -98,11 +98,16 @@ def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
     x[5, 300] = math.nan  # a NaN beats a larger number before it
     x[6, 0], x[6, 1] = -0.0, 0.0  # equal: the first
     x[6, 2:V] = -1.0
+    # A NaN after a larger number still wins; of two NaNs, the first; a last-columns maximum.
+    x[7, 10], x[7, V - 5] = 50.0, math.nan
+    x[8, [20, V - 20]] = math.nan
+    x[9, V - 30] = 50.0  # the largest in the last part only
     rows = x[:, :V]
     want = rows.max(dim=-1).indices
-    assert want[:7].tolist() == [want[0].item(), 7, V - 1, 0, 10, 300, 0]
+    assert want[:10].tolist() == [want[0].item(), 7, V - 1, 0, 10, 300, 0, V - 5, 20, V - 30]
     assert torch.equal(greedy(rows), want)
-    assert torch.equal(greedy(rows[5:6]), want[5:6])
+    for i in range(10):  # each row alone (on one thread)
+        assert torch.equal(greedy(rows[i:i + 1]), want[i:i + 1]), i
     wide = torch.randn(64, V, generator=g)  # 3M floats: both threads
     assert torch.equal(greedy(wide), wide.max(dim=-1).indices)
     s = Sampler(V, "cpu")
