@@ -15,10 +15,15 @@ the best of --repeats runs.
 
 A step reads the weights in memory (ModelRunner.mem["weights"]) and the batch's KV cache
 (the tokens it holds x bytes per token); bytes / step time is the rate it reached. The
-machine's rate is measured in the same run, before and after the engines: a read pass over a
-1 GiB float32 tensor (torch's sum on every thread) and a copy (bytes read + written), best of
-5. The roofline: steps/s = read bandwidth / bytes per step; the report gives the measured
-steps/s, tokens/s and the share of the roofline.
+machine's rate is taken just before each run: a copy of a --gib float32 tensor (STREAM's
+copy: bytes read + written over the time) and a read pass over it (torch's sum on every
+thread), each the best of 3 (also before and after the whole benchmark). A run's share of the
+roofline = its median step's bytes/s over the rate taken before it; a row gives its format
+and batch's fastest run (ms a step, tok/s, GB/s) and the median share over the --repeats
+runs, with their range. Why each run against its own rate: a shared VM's rate moves with its
+neighbours, 33-80 GB/s from one minute to the next on one seen here, and so does its CPU
+time, so a rate from another minute says little of the one a run met. The read is the
+stricter roofline: a read alone streams faster than a copy on the machines seen.
 
 Results: stdout and bench/out/roofline.json.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -43,10 +49,9 @@ from worker.engine.models.demo import fetch_demo_model  # noqa: E402
 GB = 1e9
 
 
-def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
-    """Read and copy rates of this machine, GB/s (best of repeats)."""
-    a = torch.ones(int(gib * 2**30) // 4)
-    b = torch.empty_like(a)
+def rates(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> dict:
+    """Read and copy rates of this machine, GB/s (each the best of repeats): a read pass over
+    a, and a into b (bytes read + written)."""
     read = copy = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
@@ -56,6 +61,16 @@ def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         b.copy_(a)
         copy = max(copy, 2 * a.numel() * 4 / (time.perf_counter() - t) / GB)
     return {"read_gb_s": round(read, 1), "copy_gb_s": round(copy, 1)}
+
+
+def tensors(gib: float) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.ones(int(gib * 2**30) // 4)
+    return a, torch.empty_like(a)
+
+
+def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+    """Read and copy rates of this machine, GB/s (best of repeats)."""
+    return rates(*tensors(gib), repeats)
 
 
 def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
@@ -76,35 +91,47 @@ def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
     return times[len(times) // 2], 16 + tokens // 2
 
 
-def measure(path: str, formats: list[str], batches: list[int], tokens: int, repeats: int) -> list[dict]:
+def measure(path: str, formats: list[str], batches: list[int], tokens: int, repeats: int,
+            gib: float) -> list[dict]:
     """Every format's engine loaded at once, their runs interleaved (for each repeat and batch,
-    each format in turn), so a burst of load elsewhere on the machine falls on all of them."""
+    each format in turn), so a burst of load elsewhere on the machine falls on all of them;
+    the machine's rates taken before each run, and kept with it."""
     def engine(f: str) -> Engine:  # "F/eager": format F with every step eager (no CPU graphs)
         q, _, eager = f.partition("/")
         return Engine(path, config=EngineConfig(device="cpu", quantization=q, max_running=max(batches),
                                                 cuda_graph=not eager))
 
     engines = {f: engine(f) for f in formats}
-    best: dict[tuple[str, int], tuple[float, int]] = {}
+    probe = tensors(gib)
+    runs: dict[tuple[str, int], list[tuple[float, dict]]] = {}  # (step seconds, rates before it)
+    held: dict[int, int] = {}
     for engine in engines.values():
         decode(engine, 2, 8)  # warm-up
     for _ in range(repeats):
         for b in batches:
             for f, engine in engines.items():
-                run = decode(engine, b, tokens)
-                best[f, b] = min(best.get((f, b), run), run)
+                machine = rates(*probe)
+                step, held[b] = decode(engine, b, tokens)
+                runs.setdefault((f, b), []).append((step, machine))
+    del probe
     rows = []
     for f, engine in engines.items():
         c = engine.runner.config
         per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
         weights = engine.runner.mem["weights"]
         for b in batches:
-            step, held = best[f, b]
-            step_bytes = weights + b * held * per_token
-            rows.append({"format": f, "batch": b, "weights_mb": round(weights / 1e6, 1),
-                         "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(step * 1e3, 2),
-                         "tok_s": round(b / step, 1), "gb_s": round(step_bytes / step / GB, 1)})
-            print(rows[-1], flush=True)
+            step_bytes = weights + b * held[b] * per_token
+            step = min(s for s, _ in runs[f, b])
+            row = {"format": f, "batch": b, "weights_mb": round(weights / 1e6, 1),
+                   "step_mb": round(step_bytes / 1e6, 1), "step_ms": round(step * 1e3, 2),
+                   "tok_s": round(b / step, 1), "gb_s": round(step_bytes / step / GB, 1)}
+            for k in ("copy", "read"):  # each run against the rate taken just before it
+                shares = sorted(step_bytes / s / GB / m[f"{k}_gb_s"] for s, m in runs[f, b])
+                row[f"{k}_gb_s"] = statistics.median(m[f"{k}_gb_s"] for _, m in runs[f, b])
+                row[f"of_{k}"] = round(statistics.median(shares), 3)
+                row[f"of_{k}_range"] = [round(shares[0], 3), round(shares[-1], 3)]
+            rows.append(row)
+            print(row, flush=True)
     del engines
     gc.collect()
     return rows
@@ -127,18 +154,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("machine before:", before, flush=True)
     formats = args.formats.split(",")
     formats += [f"{f}/eager" for f in formats] if args.eager else []
-    rows = measure(path, formats, batches, args.tokens, args.repeats)
+    rows = measure(path, formats, batches, args.tokens, args.repeats, args.gib)
     after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
-    read = max(before["read_gb_s"], after["read_gb_s"])
     print(f"\n{'format':>10} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
-          f"{'roofline steps/s':>16} {'of roofline':>11}")
+          f"{'copy GB/s':>9} {'of copy (range)':>16} {'read GB/s':>9} {'of read (range)':>16}")
+
+    def share(r, k):
+        lo, hi = r[f"of_{k}_range"]
+        return f"{r[f'of_{k}']:.0%} ({lo:.0%}-{hi:.0%})"
+
     for r in rows:
-        roof = read * GB / (r["step_mb"] * 1e6)
-        r["roofline_steps_s"], r["of_roofline"] = round(roof, 1), round(r["gb_s"] / read, 3)
         print(f"{r['format']:>10} {r['batch']:>5} {r['step_mb']:>8} {r['step_ms']:>8} {r['tok_s']:>7} "
-              f"{r['gb_s']:>6} {r['roofline_steps_s']:>16} {r['of_roofline']:>11.0%}")
-    save("roofline", {"machine": {"before": before, "after": after, "read_gb_s": read},
+              f"{r['gb_s']:>6} {r['copy_gb_s']:>9} {share(r, 'copy'):>16} {r['read_gb_s']:>9} "
+              f"{share(r, 'read'):>16}")
+    save("roofline", {"machine": {"before": before, "after": after},
                       "tokens": args.tokens, "rows": rows})
     return rows
 

@@ -227,7 +227,9 @@ def test_the_roofline_benchmark_runs(tmp_path):
     rows = roofline.main(["--model", path, "--batches", "1,2", "--tokens", "6", "--repeats", "1", "--gib", "0.05"])
     assert [(r["format"], r["batch"]) for r in rows] == [(f, b) for f in ("auto", "q8", "none") for b in (1, 2)]
     assert rows[0]["weights_mb"] == rows[2]["weights_mb"] < rows[4]["weights_mb"] / 4
-    assert all(r["step_mb"] >= r["weights_mb"] and r["step_ms"] > 0 and r["tok_s"] > 0 and "of_roofline" in r for r in rows)
+    assert all(r["step_mb"] >= r["weights_mb"] and r["step_ms"] > 0 and r["tok_s"] > 0 for r in rows)
+    # Each row against the copy and read rates taken just before its run.
+    assert all(0 < r[f"of_{k}_range"][0] <= r[f"of_{k}"] <= r[f"of_{k}_range"][1] for r in rows for k in ("copy", "read"))
 
 
 def test_gguf_errors(tiny_models, tmp_path):
