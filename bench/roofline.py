@@ -17,7 +17,8 @@ A step reads the weights in memory (ModelRunner.mem["weights"]) and the batch's 
 (the tokens it holds x bytes per token); bytes / step time is the rate it reached. The
 machine's rate is taken just before each run: a copy of a --gib float32 tensor (STREAM's
 copy: bytes read + written over the time) and a read pass over it (torch's sum on every
-thread), each the best of 3 (also before and after the whole benchmark). A run's share of the
+thread), each the best of 3 (and the best of 5 before and after the whole benchmark, 2 x
+--gib of tensors held meanwhile). A run's share of the
 roofline = its median step's bytes/s over the rate taken before it; a row gives its format
 and batch's fastest run (ms a step, tok/s, GB/s) and the median share over the --repeats
 runs, with their range. Why each run against its own rate: a shared VM's rate moves with its
@@ -74,7 +75,7 @@ def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
 
 
 def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
-    """(best seconds per all-decode step, KV tokens held at the middle of the run)."""
+    """(the median seconds of the run's all-decode steps, KV tokens held at its middle)."""
     g = torch.Generator().manual_seed(batch)
     vocab = engine.runner.config.vocab_size
     items = [(i, None, torch.randint(100, vocab, (16,), generator=g).tolist()) for i in range(batch)]

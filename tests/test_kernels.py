@@ -228,8 +228,9 @@ def test_cpu_kernel_matches_torch_path(page_size, hq, hkv, d):
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0)])
 def test_cpu_decode_kernel_row_alone_equals_row_in_a_batch(hq, hkv, d, window, softcap):
     """With fewer rows than threads the kernel splits a row's kv heads over the threads (one
-    task each), with more it runs whole rows: each head's output is the same floats either
-    way, and the same as torch's path within float error."""
+    task each), else it runs whole rows: each head's output is the same floats either way
+    (the batch on one thread against each row alone on two or more), and the same as torch's
+    path within float error. (16, 1, 16): one kv head, never split."""
     from worker.engine.kernels import cpu_decode
     fn = cpu_decode.load(torch.float32, hq, hkv, d)
     gen = torch.Generator().manual_seed(3)
@@ -239,11 +240,12 @@ def test_cpu_decode_kernel_row_alone_equals_row_in_a_batch(hq, hkv, d, window, s
     q = torch.randn(len(lens), hq, d, generator=gen)
     lens_t = torch.tensor(lens)
     batch = torch.full_like(q, math.nan)
-    cpu_decode.decode_attention(fn, q, batch, kc, vc, table, torch.arange(len(lens)), req, lens_t,
-                                d ** -0.5, window, softcap)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(max(threads, 2))  # two threads at least: the split runs
+        torch.set_num_threads(1)  # whole rows, however many cores this machine has
+        cpu_decode.decode_attention(fn, q, batch, kc, vc, table, torch.arange(len(lens)), req, lens_t,
+                                    d ** -0.5, window, softcap)
+        torch.set_num_threads(max(threads, 2))  # one row, two threads at least: split by kv head
         for b in range(len(lens)):
             alone = torch.full_like(q, math.nan)
             cpu_decode.decode_attention(fn, q, alone, kc, vc, table, torch.tensor([b]), req[b:b + 1],
