@@ -77,6 +77,11 @@ def submit(req: JobRequest, request: Request, response: Response,
     are checked and laid out, then queued (or failed, naming the lines at fault). The job
     runs when a worker takes it."""
     st, tenant = _state(request), request.state.tenant
+    # The body's own limits before the fleet's: an over-long batch is the same 422 whether or
+    # not a worker serves its model now (the model's 404 came first).
+    spec = req.spec() if req.input is None else None
+    if spec is not None:
+        jobs.check_limits(req, spec, st.settings)
     try:
         req = req.model_copy(update={"model": jobs.model_of(st.redis, req).name})
     except fleet.ModelError as e:
@@ -93,8 +98,6 @@ def submit(req: JobRequest, request: Request, response: Response,
         if req.input is not None:
             body = _submit_dataset(st, req, idempotency, tenant)
         else:
-            spec = req.spec()
-            jobs.check_limits(req, spec, st.settings)
             body = jobs.submit(st.redis, req, st.settings, spec=spec, idempotency=idempotency, tenant=tenant,
                                store=st.blobs)
     except jobs.Claimed as e:
