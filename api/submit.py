@@ -79,8 +79,9 @@ def submit(req: JobRequest, request: Request, response: Response,
     st, tenant = _state(request), request.state.tenant
     # The body's own limits before the fleet's: an over-long batch is the same 422 whether or
     # not a worker serves its model now (the model's 404 came first).
-    spec = req.spec() if req.input is None else None
-    if spec is not None:
+    spec = None
+    if req.input is None:
+        spec = req.spec()
         jobs.check_limits(req, spec, st.settings)
     try:
         req = req.model_copy(update={"model": jobs.model_of(st.redis, req).name})

@@ -81,7 +81,7 @@ def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
     maxima, a NaN counted as the largest (torch.max's rule), all -inf -> 0, padding columns
     skipped through the rows' stride; one row and many, on every thread."""
     from worker.engine.kernels import cpu_pointwise
-    from worker.engine.sampler import greedy
+    from worker.engine.sampler import row_argmax
     if c_kernel and not cpu_pointwise.load():
         pytest.skip("no C compiler: the CPU kernel is not built here")
     if not c_kernel:
@@ -105,11 +105,11 @@ def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
     rows = x[:, :V]
     want = rows.max(dim=-1).indices
     assert want[:10].tolist() == [want[0].item(), 7, V - 1, 0, 10, 300, 0, V - 5, 20, V - 30]
-    assert torch.equal(greedy(rows), want)
+    assert torch.equal(row_argmax(rows), want)
     for i in range(10):  # each row alone (on one thread)
-        assert torch.equal(greedy(rows[i:i + 1]), want[i:i + 1]), i
+        assert torch.equal(row_argmax(rows[i:i + 1]), want[i:i + 1]), i
     wide = torch.randn(64, V, generator=g)  # 3M floats: both threads
-    assert torch.equal(greedy(wide), wide.max(dim=-1).indices)
+    assert torch.equal(row_argmax(wide), wide.max(dim=-1).indices)
     s = Sampler(V, "cpu")
     assert s(x, [req(seed=i, temperature=0.0) for i in range(12)]).token_ids == want.tolist()
 

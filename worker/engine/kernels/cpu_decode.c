@@ -43,8 +43,8 @@ INLINE void attend(const int nd, const int capped, const float *qb, float *ob, c
             /* The next block's runs, fetched while this one computes (pages lie anywhere in
                the pool, and a hardware prefetcher stops at each 4 KB page of memory): keys
                h - h0, + nh, ... of it by head h (a task of one kv head: its floats only), so
-               that the fetches are spread over the block's work instead of queued at its start (64 rows x 300 keys, Intel 2-core: 1.73 ->
-               1.19 ms a layer, ~25 GB/s of the ~27 this machine streams). Into L2, not L1:
+               that the fetches are spread over the block's work instead of queued at its start
+               (64 rows x 300 keys, Intel 2-core: 1.73 -> 1.19 ms a layer, ~25 GB/s of the ~27 this machine streams). Into L2, not L1:
                this block's runs and the next's (2 x 24 KB on SmolLM2) overflow a 32 KB L1,
                and the fetched lines pushed out the ones the next heads were about to read
                (AMD 2-core, 32 KB L1: 2.4 -> 1.4 ms a layer, 12 -> ~21 GB/s of ~28). */
@@ -102,13 +102,13 @@ void fanout_decode_attention(const float *q, float *out, const float *kc, const 
     const int nd = (int)(D / VL);
     /* A task is a row (its runs read whole, once), or with fewer rows than threads (batch 1
        or 2 on two cores) one kv head of a row and its query heads, so that no thread idles:
-       SmolLM2 at batch 1 (3 kv heads), 30 layers, Zen 4 2-core: 48 keys 0.18-0.20 -> 0.13-0.14
-       ms, 1,020 keys 2.29 -> 1.65-1.74 ms. */
-    const int64_t split = B < omp_get_max_threads() ? Hkv : 1, hs = Hq / split;
+       SmolLM2 at batch 1 (3 kv heads), 30 layers, Zen 5 2-core: 48 keys 0.18-0.20 -> 0.13-0.14
+       ms, 1,020 keys 2.29 -> 1.65-1.74 ms. A task's query heads: hs; its kv heads' floats of a
+       run: span. */
+    const int64_t split = B < omp_get_max_threads() ? Hkv : 1, hs = Hq / split, span = Hkv / split * D;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * split; task++) {
-        const int64_t b = task / split, h0 = task % split * hs;
-        const int64_t f0 = split > 1 ? h0 / (Hq / Hkv) * D : 0, f1 = split > 1 ? f0 + D : Hkv * D;
+        const int64_t b = task / split, g = task % split, h0 = g * hs, f0 = g * span, f1 = f0 + span;
         vf acc[Hq * nd];
         float m[Hq], l[Hq];
         const float *qb = q + rows[b] * Hq * D;

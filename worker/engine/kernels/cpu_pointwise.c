@@ -1,6 +1,7 @@
 /* The per-row steps between a layer's matmuls on a CPU, fp32: residual add + RMSNorm, and
-RoPE + the K/V store; and after the last, the greedy pick (argmax of each row of logits). Each is one call instead of the dozen small torch ops it replaces (a
-few microseconds each: at SmolLM2's 30 layers, more than the attention itself at batch 8).
+RoPE + the K/V store; and after the last, the greedy pick (each row's argmax). Each is one
+call instead of the dozen small torch ops it replaces (a few microseconds each: at SmolLM2's
+30 layers, more than the attention itself at batch 8).
 
 Numerics follow HF: RMSNorm sums squares in fp32, x * rsqrt(mean + eps) rounded before the
 weight multiplies it; RoPE's rotate-half products are each rounded before they are added, as
