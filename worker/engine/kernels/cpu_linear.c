@@ -5,7 +5,7 @@ W is packed once into panels of NR output columns, k-major: panel p holds W[p*NR
 memory and, while they sit in L2, multiplied with every row of a pass of x (a decode step's
 rows are one pass), MR rows at a time: at each k, a broadcast of x[m, k] times the panel's NV
 vectors into MR x NV accumulators held in registers, the weights a few KB ahead prefetched
-(the first rows read them from memory).
+into L2 (the first rows read them from memory).
 
 Every output sums its K products in k order, one FMA at a time: the same order for a row
 whatever the batch around it, so a request's logits do not depend on its batch-mates.

@@ -16,7 +16,7 @@ it dequantized): MR rows of x times one panel of NR weight columns, k-major. */
 #define NV 2
 #endif
 #define NR (NV * VL)
-#define AHEAD 32 /* k steps of prefetch */
+#define AHEAD 32 /* k steps of prefetch, into L2 (cpu_quant.c's prefetch_group says why) */
 #define PASS_BYTES (512 * 1024) /* a pass's rows of x: to stay in L2 while every panel meets them */
 
 /* t[m][:] += rows 0..mr of x (row stride ldx) times one panel w [K][NR] (the sums go on
@@ -27,7 +27,7 @@ INLINE void tile(const int mr, const float *x, int64_t ldx, const float *w, int6
     for (int m = 0; m < mr; m++)
         for (int v = 0; v < NV; v++) a[m][v] = load(t[m] + v * VL);
     for (int64_t k = 0; k < K; k++) {
-        for (int v = 0; v < NV; v++) __builtin_prefetch(w + (k + AHEAD) * NR + v * VL);
+        for (int v = 0; v < NV; v++) __builtin_prefetch(w + (k + AHEAD) * NR + v * VL, 0, 2);
         vf wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = load(w + k * NR + v * VL);
         for (int m = 0; m < mr; m++) {
