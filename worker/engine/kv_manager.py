@@ -28,6 +28,8 @@ class KVManager:
         self.alloc = kv.allocator
         self.ps = kv.page_size
         self.table = req_to_token.table
+        # On a CPU, the same memory as a numpy array (alloc_decode).
+        self.host = self.table.numpy() if self.table.device.type == "cpu" else None
 
     @classmethod
     def create(cls, model: ModelConfig, kv_tokens: int, page_size: int, max_running: int,
@@ -93,7 +95,7 @@ class KVManager:
         return slots
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
-        """One slot each for a decode step, in one vectorized update of the table."""
+        """One slot each for a decode step: the one after its last, or a new page's first."""
         fresh = [r.alloc_len % self.ps == 0 for r in reqs]  # these start a new page
         need = sum(fresh)
         if need > self.alloc.num_free:
@@ -101,6 +103,17 @@ class KVManager:
         pages = self.alloc.alloc(need)
         if pages is None:
             return None
+        if self.host is not None:
+            # The table's memory read and written as numpy's: the torch ops of the path below
+            # took 0.19 ms of a 5 ms batch-1 decode step (SmolLM2 q8, 2-core x86), each
+            # dispatch slowed by the forward that evicted the interpreter's caches.
+            t, new = self.host, iter(pages)
+            slots = [next(new) * self.ps if f else int(t[r.req_pool_idx, r.alloc_len - 1]) + 1
+                     for r, f in zip(reqs, fresh)]
+            for r, slot in zip(reqs, slots):
+                t[r.req_pool_idx, r.alloc_len] = slot
+                r.alloc_len += 1
+            return torch.tensor(slots, dtype=torch.int64)
         dev = self.table.device
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         pos = torch.tensor([r.alloc_len for r in reqs], device=dev)
