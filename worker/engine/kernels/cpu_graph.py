@@ -49,6 +49,7 @@ def supported() -> bool:
         return False
     return cpu_build.functions("cpu_graph", _fns, {
         "replay": ("fanout_replay", [ctypes.c_void_p, ctypes.c_int64]),
+        "replay_timed": ("fanout_replay_timed", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
         "max_ints": ("fanout_replay_max_ints", [], ctypes.c_int64),
         "max_floats": ("fanout_replay_max_floats", [], ctypes.c_int64)})
 
@@ -117,9 +118,14 @@ class Recording:
     arena: Arena | None  # the rest of its allocations
     used: int  # bytes its allocations take (an arena to hold them all needs this many)
     out: Any  # what the recorded function returned (its tensors rewritten by each replay)
+    kernels: list[str]  # each call's C function, in order
 
     def replay(self) -> None:
         _fns["replay"](ctypes.addressof(self.calls), len(self.calls))
+
+    def replay_timed(self, seconds: ctypes.Array) -> None:
+        """A replay that adds each call's wall seconds to seconds[c] (len(calls) doubles)."""
+        _fns["replay_timed"](ctypes.addressof(self.calls), len(self.calls), ctypes.addressof(seconds))
 
     @property
     def nbytes(self) -> int:
@@ -165,4 +171,4 @@ def record(fn: Callable[[], Any], arena: Arena | None = None) -> Recording:
                                 f"arguments; cpu_graph.c passes {max_ints} and {max_floats}")
         slot.fn = ctypes.cast(fn_, ctypes.c_void_p).value
         slot.i[:len(ints)], slot.f[:len(floats)] = ints, floats
-    return Recording(array, mode.kept, arena, mode.used, out)
+    return Recording(array, mode.kept, arena, mode.used, out, [k.fn.__name__ for k, _ in calls])
