@@ -232,6 +232,28 @@ def test_the_roofline_benchmark_runs(tmp_path):
     assert all(0 < r[f"of_{k}_range"][0] <= r[f"of_{k}"] <= r[f"of_{k}_range"][1] for r in rows for k in ("copy", "read"))
 
 
+def test_the_replay_calls_benchmark_runs(tmp_path):
+    """bench/replay_calls.py on a Q4_1 file: every call of a recorded step timed and grouped, each
+    matmul with the weights it reads."""
+    from bench import replay_calls
+    hf_dir = build_tiny_model(str(tmp_path / "wide"), arch="llama", hidden_size=256, num_heads=4,
+                              num_kv_heads=2, intermediate_size=512, num_layers=2)
+    path = write_gguf(hf_dir, str(tmp_path / "q4_1.gguf"), (Q.Q4_1,))
+    runs = replay_calls.main(["--model", path, "--formats", "q8,none", "--batches", "1,2",
+                              "--replays", "3", "--rounds", "1", "--gib", "0.05"])
+    assert [(r["format"], r["batch"]) for r in runs] == [(f, b) for f in ("q8", "none") for b in (1, 2)]
+    for r in runs:
+        assert sum(row["calls"] for row in r["rows"]) == r["calls"]
+        assert all(row["us_call"] > 0 for row in r["rows"])  # each call timed in C
+        kinds = {row["kind"] for row in r["rows"]}
+        linear = "fanout_quant_linear" if r["format"] == "q8" else "fanout_linear"
+        # Two layers' qkv, o and down, the MLP's gate/up, the (untied) lm_head: each read once a step.
+        assert {f"{linear} layers.*.self_attn.o_proj.packed", f"{linear} lm_head.packed"} <= kinds, kinds
+        assert all(row["weights_mb"] > 0 for row in r["rows"] if "packed" in row["kind"] or "gate_up" in row["kind"])
+    q8, fp32 = runs[0], runs[2]
+    assert q8["weights_mb"] < fp32["weights_mb"] / 4  # codes (Q4_1 and the head's Q8_0) against fp32
+
+
 def test_gguf_errors(tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such.gguf"):
         load_model(str(tmp_path / "no-such.gguf"))
