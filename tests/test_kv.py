@@ -53,34 +53,34 @@ def test_slots_follow_pages(ps):
     kvm.check([])
 
 
-@pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("ps", [1, 4])
-def test_decode_slots_follow_pages(ps, host):
+def test_decode_slots_follow_pages(ps):
     """Decode steps give each request the slot after its last, a new page's first at a page's
-    end, written into its row: on a CPU through the table's numpy view (host), elsewhere as
-    torch ops; both the same."""
-    kvm = make(ps)
-    if not host:
-        kvm.host = None  # the device path, run on the CPU's table
-    reqs = [req(range(3 + i), f"r{i}") for i in range(3)]
-    for r in reqs:
-        assert kvm.admit(r)
-        kvm.alloc_extend(r, r.extend_todo)
+    end, written into its row: on a CPU through the table's numpy view, elsewhere as torch ops
+    (run here on a second manager's CPU table); the two give the same slots and tables."""
+    host, dev = make(ps), make(ps)
+    assert host.host is not None
+    dev.host = None  # the device path
+    groups = [[req(range(3 + i), f"r{i}") for i in range(3)] for _ in (host, dev)]
+    for kvm, reqs in zip((host, dev), groups):
+        for r in reqs:
+            assert kvm.admit(r)
+            kvm.alloc_extend(r, r.extend_todo)
     for _ in range(2 * ps + 1):  # across at least two page ends
-        slots = kvm.alloc_decode(reqs)
-        assert slots.dtype == torch.int64 and slots.shape == (3,)
-        for r, s in zip(reqs, slots.tolist()):
-            assert kvm.table[r.req_pool_idx, r.alloc_len - 1] == s
+        a, b = host.alloc_decode(groups[0]), dev.alloc_decode(groups[1])
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+        assert torch.equal(host.table, dev.table)
+    reqs = groups[0]
     for r in reqs:
-        row = kvm.table[r.req_pool_idx, :r.alloc_len]
+        row = host.table[r.req_pool_idx, :r.alloc_len]
         assert (row % ps == torch.arange(r.alloc_len) % ps).all()  # each position's offset in its page
-        for p in range(r.alloc_len):  # one page per ps positions
-            assert row[p] // ps == row[p - p % ps] // ps
-    flat = torch.cat([kvm.table[r.req_pool_idx, :r.alloc_len] for r in reqs]).tolist()
+        assert r.alloc_len == 3 + int(r.rid[1:]) + 2 * ps + 1
+    flat = torch.cat([host.table[r.req_pool_idx, :r.alloc_len] for r in reqs]).tolist()
     assert len(set(flat)) == len(flat) and 0 not in flat  # no slot twice, none on the scratch page
-    for r in reqs:
-        r.kv_len = r.alloc_len
-    kvm.check(reqs)
+    for kvm, rs in zip((host, dev), groups):
+        for r in rs:
+            r.kv_len = r.alloc_len
+        kvm.check(rs)
 
 
 @pytest.mark.parametrize("ps", [1, 16])

@@ -110,8 +110,8 @@ class KVManager:
             t, new = self.host, iter(pages)
             slots = [next(new) * self.ps if f else int(t[r.req_pool_idx, r.alloc_len - 1]) + 1
                      for r, f in zip(reqs, fresh)]
-            for r, slot in zip(reqs, slots):
-                t[r.req_pool_idx, r.alloc_len] = slot
+            t[[r.req_pool_idx for r in reqs], [r.alloc_len for r in reqs]] = slots  # (all or none)
+            for r in reqs:
                 r.alloc_len += 1
             return torch.tensor(slots, dtype=torch.int64)
         dev = self.table.device

@@ -124,7 +124,11 @@ class Recording:
         _fns["replay"](ctypes.addressof(self.calls), len(self.calls))
 
     def replay_timed(self, seconds: ctypes.Array) -> None:
-        """A replay that adds each call's wall seconds to seconds[c] (len(calls) doubles)."""
+        """A replay that adds each call's wall seconds to seconds[c]: a ctypes array of
+        len(calls) doubles."""
+        if not isinstance(seconds, ctypes.Array) or seconds._type_ is not ctypes.c_double \
+                or len(seconds) < len(self.calls):
+            raise ValueError(f"replay_timed: seconds must be a ctypes array of {len(self.calls)} doubles")
         _fns["replay_timed"](ctypes.addressof(self.calls), len(self.calls), ctypes.addressof(seconds))
 
     @property

@@ -92,11 +92,11 @@ INLINE vf8 scales_8(Scales s, int64_t i) { /* 8 of them */
 /* Every line of group G + AHEAD_G's codes and scales asked for, past the panel's end into the
    next panel's (the panels lie in turn; a prefetch past the last does not fault): a decode
    step's panels come from memory. Into L2, not L1 (locality 2: prefetcht1; PLDL2KEEP on
-   AArch64): a core has few L1 miss buffers, and an L1 prefetch holds one until its line comes,
-   which capped a thread's stream; at 8 rows the lines ahead also evicted x's codes from L1.
-   SmolLM2's Q4_1 on a 2-core Zen 4 (replay of one q8 decode step, three alternating rounds):
-   batch 1 4.2-5.9 -> 3.6-4.2 ms, batch 8 9.7-11.2 -> 7.1-9.7 ms; the exact way's batch 1
-   5.4-6.8 -> 4.5-5.0 ms. */
+   AArch64): as seen on a 2-core Zen 4, an L1 prefetch held one of a core's few L1 miss
+   buffers until its line came, which capped a thread's stream; at 8 rows the lines ahead also
+   evicted x's codes from L1. SmolLM2's Q4_1 there (a decode step's replay, three alternating
+   rounds; docs/benchmarks.md): q8 batch 1 4.2-5.9 -> 3.6-4.2 ms, batch 8 9.7-11.2 -> 7.1-9.7
+   ms; the exact way's batch 1 5.4-6.8 -> 4.5-5.0 ms. */
 #define AHEAD_G 16
 INLINE void prefetch_group(int bits, const uint8_t *codes, Scales scales, int64_t G) {
     const uint8_t *c = codes + (G + AHEAD_G) * group_codes(bits);
@@ -407,8 +407,9 @@ static void run_small(int bits, int dot, const float *x, int64_t M, int64_t K, i
 #pragma omp parallel
     {
         {   /* This thread's first panel's first AHEAD_G groups asked for at once (prefetch_group
-               asks for those ahead only): its panels are the static schedule's split, the first
-               P % T threads taking one more. SmolLM2 q8 batch 1 (bench/replay_calls.py, six
+               asks for those ahead only): its panels are libgomp's static split, the first
+               P % T threads taking one more (another runtime may split otherwise: then a
+               wasted prefetch). SmolLM2 q8 batch 1 (bench/replay_calls.py, six
                alternating runs, 2-core Zen 4): a replay 3.96-4.72 -> 3.66-4.28 ms, o_proj's
                0.2 MB and qkv's 0.35 MB gaining most; batch 8 within noise. */
             const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), q = P / T, rem = P % T;
