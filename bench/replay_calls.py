@@ -65,7 +65,7 @@ def recording(engine: Engine, batch: int):
     return graphs.recordings[batch][0]
 
 
-def profile(engine: Engine, batch: int, replays: int, rounds: int, probe) -> list[dict]:
+def profile(engine: Engine, batch: int, replays: int, rounds: int, probe) -> dict:
     rec = recording(engine, batch)
     known = weights(engine.runner.model)
     kinds, nbytes = [], []
@@ -95,9 +95,9 @@ def profile(engine: Engine, batch: int, replays: int, rounds: int, probe) -> lis
         rows.append({"kind": kind, "calls": n, "us_call": round(s / n * 1e6, 1),
                      "ms_step": round(s * 1e3, 3), "weights_mb": round(b / 1e6, 2),
                      "gb_s": round(b / s / 1e9, 1) if b else None, "share": round(s / step, 3)})
-    return [{"batch": batch, "step_ms": round(step * 1e3, 3), "calls": len(kinds),
-             "weights_mb": round(sum(nbytes) / 1e6, 1),
-             "gb_s": round(sum(nbytes) / step / 1e9, 1), **machine, "rows": rows}]
+    return {"batch": batch, "step_ms": round(step * 1e3, 3), "calls": len(kinds),
+            "weights_mb": round(sum(nbytes) / 1e6, 1),
+            "gb_s": round(sum(nbytes) / step / 1e9, 1), **machine, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -116,17 +116,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for f in args.formats.split(","):
         engine = Engine(path, config=EngineConfig(device="cpu", quantization=f, max_running=max(batches)))
         for b in batches:
-            for r in profile(engine, b, args.replays, args.rounds, probe):
-                r["format"] = f
-                out.append(r)
-                print(f"\n{f}, batch {b}: {r['step_ms']} ms a replay, {r['calls']} calls, "
-                      f"{r['weights_mb']} MB of weights = {r['gb_s']} GB/s "
-                      f"(the machine before: copy {r['copy_gb_s']}, read {r['read_gb_s']} GB/s)")
-                print(f"{'calls':>5} {'us/call':>8} {'ms/step':>8} {'MB':>7} {'GB/s':>5} {'share':>6}  kernel, weights")
-                for row in r["rows"]:
-                    gb = "" if row["gb_s"] is None else row["gb_s"]
-                    print(f"{row['calls']:>5} {row['us_call']:>8} {row['ms_step']:>8} {row['weights_mb']:>7} "
-                          f"{gb:>5} {row['share']:>6.1%}  {row['kind']}")
+            r = {"format": f, **profile(engine, b, args.replays, args.rounds, probe)}
+            out.append(r)
+            print(f"\n{f}, batch {b}: {r['step_ms']} ms a replay, {r['calls']} calls, "
+                  f"{r['weights_mb']} MB of weights = {r['gb_s']} GB/s "
+                  f"(the machine before: copy {r['copy_gb_s']}, read {r['read_gb_s']} GB/s)")
+            print(f"{'calls':>5} {'us/call':>8} {'ms/step':>8} {'MB':>7} {'GB/s':>5} {'share':>6}  kernel, weights")
+            for row in r["rows"]:
+                gb = "" if row["gb_s"] is None else row["gb_s"]
+                print(f"{row['calls']:>5} {row['us_call']:>8} {row['ms_step']:>8} {row['weights_mb']:>7} "
+                      f"{gb:>5} {row['share']:>6.1%}  {row['kind']}")
         del engine
     save("replay_calls", {"runs": out})
     return out

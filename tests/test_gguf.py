@@ -249,7 +249,6 @@ def test_the_replay_calls_benchmark_runs(tmp_path):
         linear = "fanout_quant_linear" if r["format"] == "q8" else "fanout_linear"
         # The matmuls by the weights they read (o_proj's two layers in one row), the lm_head's too.
         assert {f"{linear} layers.*.self_attn.o_proj.packed", f"{linear} lm_head.packed"} <= kinds, kinds
-        assert all(row["weights_mb"] > 0 for row in r["rows"] if "packed" in row["kind"] or "gate_up" in row["kind"])
     q8, fp32 = runs[0], runs[2]
     assert q8["weights_mb"] < fp32["weights_mb"] / 4  # Q4_1 codes against fp32
 

@@ -44,7 +44,8 @@ INLINE void attend(const int nd, const int capped, const float *qb, float *ob, c
                the pool, and a hardware prefetcher stops at each 4 KB page of memory): keys
                h - h0, + nh, ... of it by head h (a task of one kv head: its floats only), so
                that the fetches are spread over the block's work instead of queued at its start
-               (64 rows x 300 keys, Intel 2-core: 1.73 -> 1.19 ms a layer, ~25 GB/s of the ~27 this machine streams). Into L2, not L1:
+               (64 rows x 300 keys, Intel 2-core: 1.73 -> 1.19 ms a layer, ~25 GB/s of the ~27
+               this machine streams). Into L2, not L1:
                this block's runs and the next's (2 x 24 KB on SmolLM2) overflow a 32 KB L1,
                and the fetched lines pushed out the ones the next heads were about to read
                (AMD 2-core, 32 KB L1: 2.4 -> 1.4 ms a layer, 12 -> ~21 GB/s of ~28). */
