@@ -114,6 +114,36 @@ def test_greedy_picks_what_torch_max_picks(c_kernel, monkeypatch):
     assert s(x, [req(seed=i, temperature=0.0) for i in range(12)]).token_ids == want.tolist()
 
 
+def test_whole_vocabulary_draw_in_c_is_the_torch_ops_draw(monkeypatch):
+    """A row drawn over the whole vocabulary (no top-k / top-p) on a CPU: in C in one pass that
+    scores only the values its bounds cannot rule out (cpu_noise.gumbel_argmax), or by torch
+    ops over every value (argmax of z - log(-log u)). The same tokens for peaked rows (few
+    values scored), flat ones (most), ties (rounded logits: the first), a vocabulary that is
+    not a whole number of lanes or blocks, NaN (the first), +inf (the first) and rows of -inf
+    (0); one row and many. The logs differ in the last bit at most, which these rows never
+    meet at their winner."""
+    from worker.engine.kernels import cpu_noise
+    if not cpu_noise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    g = torch.Generator().manual_seed(5)
+    V = 49157
+    spread = torch.tensor([0.3, 1.0, 3.0, 8.0, 20.0, 60.0] * 8)[:, None]
+    x = torch.randn(48, V, generator=g) * spread
+    x[40:44] = x[40:44].round()  # many equal values, ties among the best
+    x[44, :V - 1] = -math.inf  # the last column only
+    x[45, :] = -math.inf
+    x[46, [3, 40000]] = math.nan
+    x[47, [17, V - 2]] = math.inf
+    reqs = [req(seed=i * 7919, output_ids=[0] * (i % 5), temperature=0.9) for i in range(48)]
+    s = Sampler(V, "cpu")
+    c = s(x.clone(), reqs).token_ids
+    alone = [s(x[i:i + 1].clone(), reqs[i:i + 1]).token_ids[0] for i in range(48)]
+    monkeypatch.setattr(cpu_noise, "load", lambda: False)
+    torch_ops = s(x.clone(), reqs).token_ids
+    assert c == torch_ops == alone
+    assert c[44:] == [V - 1, 0, 3, 17]
+
+
 def test_top_k_1_is_greedy_whatever_the_temperature():
     logits = logits_for(8, 50)
     s = Sampler(50, "cpu")
