@@ -144,6 +144,42 @@ def test_whole_vocabulary_draw_in_c_is_the_torch_ops_draw(monkeypatch):
     assert c[44:] == [V - 1, 0, 3, 17]
 
 
+def test_top_k_in_c_is_the_torch_ops_order():
+    """A row's k largest values and their columns (the candidates of a top-k / top-p draw), in
+    C on a CPU (cpu_pointwise.top_k): a stable descending sort's first k, values and columns
+    (larger first, ties by column; torch's topk may take any of the values tied at the k-th,
+    which the sampler then leaves to the whole vocabulary), for ties across that edge, rows
+    whose largest come last (the buffer refilled often), k near N, softmax rows as the
+    sampler gives them, and one row or many."""
+    from worker.engine.kernels import cpu_pointwise
+    from worker.engine.sampler import top_k
+    if not cpu_pointwise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    g = torch.Generator().manual_seed(9)
+    V = 49157
+    x = torch.randn(10, V, generator=g)
+    x[1] = x[1].round()  # a few distinct values: ties everywhere, across the edge too
+    x[2] = torch.arange(V, dtype=torch.float32)  # ascending: every value joins, then is pushed out
+    x[3, :] = 0.0
+    x[3, [5, 70, V - 1]] = 1.0
+    x[4] = torch.softmax(x[4] * 4, -1)
+    x[5, ::3] = -math.inf
+    for k in (1, 7, 256, 4096, V - 1):
+        want_v, want_i = (t[:, :k] for t in x.sort(dim=-1, descending=True, stable=True))
+        vals, ids = top_k(x, k)
+        assert torch.equal(ids, want_i) and torch.equal(vals, want_v), k
+        for r in (1, 3):  # one row (one thread)
+            assert torch.equal(top_k(x[r:r + 1], k)[1], want_i[r:r + 1]), (k, r)
+    assert top_k(x[3:4], 2)[1].tolist() == [[5, 70]]
+    nan = x[:2].clone()
+    nan[0, 9] = math.nan
+    vals, ids = top_k(nan, 4)
+    assert vals[0].isnan().all() and ids[0].tolist() == [0, 1, 2, 3]
+    assert torch.equal(ids[1], top_k(x[1:2], 4)[1][0])
+    with pytest.raises(ValueError, match="top_k"):
+        cpu_pointwise.top_k(x, V)
+
+
 def test_top_k_1_is_greedy_whatever_the_temperature():
     logits = logits_for(8, 50)
     s = Sampler(50, "cpu")
@@ -369,10 +405,17 @@ def test_uniform_at_columns_is_the_whole_rows_value(c_kernel, monkeypatch):
     assert torch.equal(seeded_uniform_at(seeds, steps, cols, _col_keys(V, "cpu")), whole)
 
 
-def test_filtered_rows_decided_among_candidates_draw_what_the_whole_vocabulary_gives():
-    """The fast path (top-k / top-p decided among the CANDIDATES most likely tokens) draws
-    exactly the tokens of the whole-vocabulary path, for peaked rows (decided there) and
-    flat ones (left to the whole vocabulary), ties at the edge included."""
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_filtered_rows_decided_among_candidates_draw_what_the_whole_vocabulary_gives(c_kernel, monkeypatch):
+    """The fast path (top-k / top-p decided among the CANDIDATES most likely tokens, picked in
+    C on a CPU or by torch's topk) draws exactly the tokens of the whole-vocabulary path, for
+    peaked rows (decided there) and flat ones (left to the whole vocabulary), ties at the
+    edge included."""
+    from worker.engine.kernels import cpu_pointwise
+    if c_kernel and not cpu_pointwise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    if not c_kernel:
+        monkeypatch.setattr(cpu_pointwise, "load", lambda: False)
     V = 2000
     s = Sampler(V, "cpu")
     g = torch.Generator().manual_seed(0)

@@ -38,6 +38,23 @@ void fanout_seeded_uniform(const int64_t *row_keys, int64_t B, const int64_t *co
     }
 }
 
+/* The same numbers at a few columns a row: out[b][i] = u(row_keys[b], col_keys[cols[b][i]])
+   for cols [B][K] (a top-k / top-p row's candidates); cols checked against V first (returns
+   1 + the flat index of the first outside, nothing written). */
+int64_t fanout_uniform_at(const int64_t *row_keys, int64_t B, const int64_t *cols, int64_t K,
+                          const int64_t *col_keys, int64_t V, float *out) {
+    for (int64_t i = 0; i < B * K; i++)
+        if (cols[i] < 0 || cols[i] >= V) return i + 1;
+    for (int64_t b = 0; b < B; b++) {
+        const uint32_t k = (uint32_t)row_keys[b];
+        for (int64_t i = 0; i < K; i++) {
+            const uint32_t h = mix(mix(k ^ (uint32_t)col_keys[cols[b * K + i]]) + k);
+            out[b * K + i] = ((float)(h >> 9) + 0.5f) * (1.0f / (1 << 23));
+        }
+    }
+    return 0;
+}
+
 /* log(x) for a positive normal float x (every value the draw below takes it of): Cephes' logf,
    x = 2^k m with m in [sqrt(1/2), sqrt(2)), log m = log1p(f) from f = m - 1 by a polynomial of
    degree 9, within ~1 ulp (its relative error 7.6e-8). No division (a 16-lane vdivps is ~10

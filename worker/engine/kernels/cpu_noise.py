@@ -22,6 +22,7 @@ _fns: dict[str, object] = {}
 def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
     return cpu_build.functions("cpu_noise", _fns, {"uniform": ("fanout_seeded_uniform", [P, I64, P, I64, P]),
+                                                   "at": ("fanout_uniform_at", [P, I64, P, I64, P, I64, P], I64),
                                                    "draw": ("fanout_gumbel_argmax", [P, I64, I64, I64, P, P, P])})
 
 
@@ -39,6 +40,22 @@ def seeded_uniform(row_keys: torch.Tensor, col_keys: torch.Tensor) -> torch.Tens
     out = torch.empty(row_keys.shape[0], col_keys.shape[0], dtype=torch.float32)
     _fns["uniform"](row_keys.data_ptr(), row_keys.shape[0], col_keys.data_ptr(),
                     col_keys.shape[0], out.data_ptr())
+    return out
+
+
+def uniform_at(row_keys: torch.Tensor, cols: torch.Tensor, col_keys: torch.Tensor) -> torch.Tensor:
+    """seeded_uniform's values at columns cols ([B, K] int64) only: [B, K] float32."""
+    row_keys, col_keys = _keys(row_keys, col_keys)
+    cols = cols.contiguous()
+    if cols.dtype != torch.int64 or cols.dim() != 2 or cols.shape[0] != row_keys.shape[0]:
+        raise ValueError(f"cpu_noise.uniform_at: cols must be [{row_keys.shape[0]}, K] int64, got "
+                         f"{tuple(cols.shape)} {cols.dtype}")
+    out = torch.empty(cols.shape, dtype=torch.float32)
+    bad = _fns["at"](row_keys.data_ptr(), cols.shape[0], cols.data_ptr(), cols.shape[1], col_keys.data_ptr(),
+                     col_keys.shape[0], out.data_ptr())
+    if bad:
+        raise IndexError(f"cpu_noise.uniform_at: column {cols.flatten()[bad - 1].item()} outside "
+                         f"the vocabulary of {col_keys.shape[0]}")
     return out
 
 

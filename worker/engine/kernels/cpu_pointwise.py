@@ -1,6 +1,6 @@
 """The per-row steps between a layer's matmuls on a CPU in fp32 (cpu_pointwise.c), built and
 loaded by cpu_build.py: residual add + RMSNorm, and RoPE + the new tokens' K/V store; and the
-greedy pick from the logits (argmax).
+sampler's picks from the logits: the greedy one (argmax), and a row's K largest (top_k).
 
 Why C: with the matmuls in cpu_linear.c, what was left of a decode step's forward outside
 them and attention was dozens of small torch ops a layer (RMSNorm's six, RoPE's dozen, the
@@ -24,7 +24,8 @@ def load() -> bool:
     return cpu_build.functions("cpu_pointwise", _fns, {
         "add_rmsnorm": ("fanout_add_rmsnorm", [P, P, P, P, I64, I64, ctypes.c_float]),
         "rope_store": ("fanout_rope_store", [P, I64, I64, P, P, I64, I64, I64, P, P, P, P]),
-        "argmax": ("fanout_argmax", [P, I64, I64, I64, P])})
+        "argmax": ("fanout_argmax", [P, I64, I64, I64, P]),
+        "top_k": ("fanout_top_k", [P, I64, I64, I64, I64, P, P], I64)})
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -66,3 +67,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(x.shape[0], dtype=torch.int64)
     _fns["argmax"](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), idx.data_ptr())
     return idx
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values of x [M, N] float32 (unit column stride, 0 < k < N) and their
+    columns: [M, k] float32 and int64, larger first, equal values by column (a stable
+    descending sort's order). A row holding a NaN gets k NaNs, at columns 0..k."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not 0 < k < x.shape[1]:
+        raise ValueError(f"cpu_pointwise.top_k: expected [M, N > {k}] float32 rows, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    vals = torch.empty(x.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
+    if _fns["top_k"](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, vals.data_ptr(), ids.data_ptr()):
+        raise MemoryError(f"cpu_pointwise.top_k: no memory for a buffer of {2 * k} values")
+    return vals, ids
