@@ -403,6 +403,9 @@ def test_uniform_at_columns_is_the_whole_rows_value(c_kernel, monkeypatch):
     whole = seeded_uniform(seeds, steps, V)
     cols = torch.arange(V).expand(len(seeds), V)
     assert torch.equal(seeded_uniform_at(seeds, steps, cols, _col_keys(V, "cpu")), whole)
+    if c_kernel:  # a column outside the vocabulary is named, not read past the keys
+        with pytest.raises(IndexError, match=f"column {V} outside"):
+            cpu_noise.uniform_at(torch.zeros(1, dtype=torch.int64), torch.tensor([[3, V]]), _col_keys(V, "cpu"))
 
 
 @pytest.mark.parametrize("c_kernel", [True, False])
