@@ -97,7 +97,7 @@ static inline float score(float z, uint32_t k, int64_t c) { return z - ln(-ln(un
 /* idx[b] = the column of row b's largest score z[b, j] - log(-log u[b, j]), u the seeded
    uniforms above (a Gumbel-max draw: the token with probability softmax(z)): the first of equal
    scores, a NaN counting as the largest (the first NaN), as torch.max's indices. z: B rows of
-   V, stride ldz.
+   V, stride ldz. Returns 1 (nothing drawn) where its scratch cannot be allocated.
 
    Two logs a value are most of the cost, and few values can win: so only the values a bound
    cannot rule out are scored. A row's first score is that of its largest z (s0): a value
@@ -109,11 +109,17 @@ static inline float score(float z, uint32_t k, int64_t c) { return z - ln(-ln(un
    about twice the row's 1 / max softmax: a handful) are scored. The bounds keep a margin
    over the scores' rounding (SLACK), which only scores a few more. A row's blocks of COLS go
    to the threads; the blocks' winners are then compared in column order. */
-void fanout_gumbel_argmax(const float *z, int64_t B, int64_t V, int64_t ldz, const int64_t *row_keys,
-                          const int64_t *col_keys, int64_t *idx) {
+int64_t fanout_gumbel_argmax(const float *z, int64_t B, int64_t V, int64_t ldz, const int64_t *row_keys,
+                             const int64_t *col_keys, int64_t *idx) {
     const int64_t blocks = (V + COLS - 1) / COLS, n = B * blocks;
-    float *best = malloc((n + B) * sizeof(float)), *s0 = best + n;
+    float *best = malloc((n + B) * sizeof(float));
     int64_t *at = malloc(n * sizeof(int64_t));
+    if (!best || !at) { /* nothing drawn */
+        free(best);
+        free(at);
+        return 1;
+    }
+    float *s0 = best + n;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -202,4 +208,5 @@ void fanout_gumbel_argmax(const float *z, int64_t B, int64_t V, int64_t ldz, con
     }
     free(best);
     free(at);
+    return 0;
 }

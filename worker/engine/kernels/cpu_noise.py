@@ -23,7 +23,7 @@ def load() -> bool:
     """Whether the kernel is here (built, or built now); False where it cannot be built."""
     return cpu_build.functions("cpu_noise", _fns, {"uniform": ("fanout_seeded_uniform", [P, I64, P, I64, P]),
                                                    "at": ("fanout_uniform_at", [P, I64, P, I64, P, I64, P], I64),
-                                                   "draw": ("fanout_gumbel_argmax", [P, I64, I64, I64, P, P, P])})
+                                                   "draw": ("fanout_gumbel_argmax", [P, I64, I64, I64, P, P, P], I64)})
 
 
 def _keys(row_keys: torch.Tensor, col_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +70,7 @@ def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, col_keys: torch.Tenso
         raise ValueError(f"cpu_noise.gumbel_argmax: expected [{row_keys.shape[0]}, {col_keys.shape[0]}] float32 "
                          f"rows, got {tuple(z.shape)} {z.dtype} strides {tuple(z.stride())}")
     idx = torch.empty(z.shape[0], dtype=torch.int64)
-    _fns["draw"](z.data_ptr(), z.shape[0], z.shape[1], z.stride(0), row_keys.data_ptr(), col_keys.data_ptr(),
-                 idx.data_ptr())
+    if _fns["draw"](z.data_ptr(), z.shape[0], z.shape[1], z.stride(0), row_keys.data_ptr(), col_keys.data_ptr(),
+                    idx.data_ptr()):
+        raise MemoryError(f"cpu_noise.gumbel_argmax: no memory for the scratch of {z.shape[0]} rows")
     return idx
