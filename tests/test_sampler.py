@@ -129,7 +129,9 @@ def test_whole_vocabulary_draw_in_c_is_the_torch_ops_draw(monkeypatch):
     V = 49157
     spread = torch.tensor([0.3, 1.0, 3.0, 8.0, 20.0, 60.0] * 8)[:, None]
     x = torch.randn(48, V, generator=g) * spread
-    x[40:44] = x[40:44].round()  # many equal values, ties among the best
+    x[40:43] = x[40:43].round()  # many equal logits
+    x[43] = 0.0
+    x[43, [5000, 30000]] = 2.0**30  # the noise is under half an ulp there: two equal scores, the first wins
     x[44, :V - 1] = -math.inf  # the last column only
     x[45, :] = -math.inf
     x[46, [3, 40000]] = math.nan
@@ -141,7 +143,43 @@ def test_whole_vocabulary_draw_in_c_is_the_torch_ops_draw(monkeypatch):
     monkeypatch.setattr(cpu_noise, "load", lambda: False)
     torch_ops = s(x.clone(), reqs).token_ids
     assert c == torch_ops == alone
-    assert c[44:] == [V - 1, 0, 3, 17]
+    assert c[43:] == [5000, V - 1, 0, 3, 17]
+
+
+def test_an_unfiltered_row_is_drawn_the_same_way_beside_filtered_ones(monkeypatch):
+    """On a CPU an unfiltered row is drawn in C (its own log) whatever its batch-mates: beside
+    a min-p row or a top-p row the whole vocabulary must decide, which take torch's ops, it
+    still goes to C, alone, so its token cannot depend on the batch it runs in."""
+    from worker.engine.kernels import cpu_noise
+    if not cpu_noise.load():
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    drawn = []
+    real = cpu_noise.gumbel_argmax
+
+    def spy(z, row_keys, col_keys):
+        drawn.append(z.shape[0])
+        return real(z, row_keys, col_keys)
+    monkeypatch.setattr(cpu_noise, "gumbel_argmax", spy)
+    V = 3000
+    s = Sampler(V, "cpu")
+    x = logits_for(3, V, seed=8) * 0.2  # flat: a top-p set past every candidate count
+    plain = req(seed=11, temperature=0.9)
+    alone = s(x[:1].clone(), [plain]).token_ids[0]
+    mates = [req(seed=12, temperature=0.9, min_p=0.05), req(seed=13, temperature=0.9, top_p=0.999)]
+    assert s(x.clone(), [plain] + mates).token_ids[0] == alone
+    assert drawn == [1, 1]
+
+
+def test_a_sampled_call_leaves_the_callers_logits_alone():
+    """Without penalties no copy is made of the logits for them: the draw (temperature,
+    top-k, top-p, min-p) must not write into the caller's rows."""
+    V = 2000
+    x = logits_for(4, V, seed=6)
+    before = x.clone()
+    reqs = [req(seed=1, temperature=0.8), req(seed=2, temperature=1.1, top_p=0.9),
+            req(seed=3, temperature=0.7, top_k=20), req(seed=4, temperature=0.5, min_p=0.1)]
+    Sampler(V, "cpu")(x, reqs)
+    assert torch.equal(x, before)
 
 
 def test_top_k_in_c_is_the_torch_ops_order():

@@ -73,7 +73,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest values of x [M, N] float32 (unit column stride, 0 < k < N) and their
     columns: [M, k] float32 and int64, larger first, equal values by column (a stable
     descending sort's order). A row holding a NaN gets k NaNs, at columns 0..k."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not 0 < k < x.shape[1]:
+    if x.dim() != 2 or x.dtype != torch.float32 or x.stride(1) != 1 or not 0 < k < x.shape[1] < 2**31:
         raise ValueError(f"cpu_pointwise.top_k: expected [M, N > {k}] float32 rows, got "
                          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
     vals = torch.empty(x.shape[0], k, dtype=torch.float32)
