@@ -392,7 +392,7 @@ class Sampler:
         zr = _take(z, rows)  # z itself (this call's own), or a copy of the rows left
         sub = [ps[i] for i in rows]
         keep = None
-        if any(_filters(p, V) or p.min_p > 0 for p in sub):
+        if any(cut[i] for i in rows):
             probs = torch.softmax(zr, dim=-1)
             # One stable sort for all rows; ties break by token id on every device.
             sp, idx = probs.sort(dim=-1, descending=True, stable=True)

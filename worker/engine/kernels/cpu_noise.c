@@ -11,6 +11,8 @@ wraps as the hash wants. A row's columns go in blocks, so both threads share one
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_row.h"
+
 #define COLS 4096 /* columns per task */
 
 static inline uint32_t mix(uint32_t x) {
@@ -125,23 +127,10 @@ int64_t fanout_gumbel_argmax(const float *z, int64_t B, int64_t V, int64_t ldz, 
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             const float *r = z + b * ldz;
-            float mx = -INFINITY;
-            int nan = 0;
-#pragma omp simd reduction(max : mx) reduction(| : nan)
-            for (int64_t j = 0; j < V; j++) {
-                mx = r[j] > mx ? r[j] : mx;
-                nan |= r[j] != r[j];
-            }
-            int64_t j = 0;
-            if (nan) { /* the first NaN's score is NaN: it wins */
-                while (r[j] == r[j]) j++;
-                idx[b] = j;
-                s0[b] = NAN;
-                continue;
-            }
-            while (j < V - 1 && r[j] != mx) j++; /* (a row of -inf: mx is -inf, found at 0) */
-            idx[b] = j;
-            s0[b] = score(r[j], (uint32_t)row_keys[b], col_keys[j]);
+            int nan;
+            const int64_t j = idx[b] = first_max(r, V, &nan);
+            /* A NaN's score is NaN: the first NaN wins. (A row of -inf: 0, its score -inf.) */
+            s0[b] = nan ? NAN : score(r[j], (uint32_t)row_keys[b], col_keys[j]);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n; t++) {

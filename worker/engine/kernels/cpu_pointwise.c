@@ -13,6 +13,8 @@ torch's separate ops do (no FMA contraction in that function).
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_row.h"
+
 #define PARALLEL_FLOATS 65536 /* below this, one thread: waking the others costs more */
 
 /* out = rmsnorm(x) * w for each of M rows of D; with res (not NULL): x += res first (x
@@ -70,31 +72,15 @@ void fanout_rope_store(const float *qkv, int64_t T, int64_t ld, const float *cos
     }
 }
 
-/* idx[m] = the column of row m's largest value: the first of equal ones, and a NaN counts as
-   the largest (the first NaN), as torch.max's indices. x: M rows of N >= 1 floats, stride ld.
-   Why not torch: its max took 28 us over a [1, 49152] row and 138 us over [8, 49152] (this
-   7 and 46), up to ~0.3 ms of a q8 decode step at batch 8 in the engine; one vectorized pass
-   for the max, a second that stops at it. */
+/* idx[m] = the column of row m's largest value (first_max: the first of equal ones, a NaN the
+   largest, as torch.max's indices). x: M rows of N >= 1 floats, stride ld. Why not torch: its
+   max took 28 us over a [1, 49152] row and 138 us over [8, 49152] (this 7 and 46), up to ~0.3
+   ms of a q8 decode step at batch 8 in the engine. */
 void fanout_argmax(const float *x, int64_t M, int64_t N, int64_t ld, int64_t *idx) {
 #pragma omp parallel for schedule(static) if (M > 1 && M * N >= PARALLEL_FLOATS)
     for (int64_t m = 0; m < M; m++) {
-        const float *r = x + m * ld;
-        float mx = -INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : mx) reduction(| : nan)
-        for (int64_t j = 0; j < N; j++) {
-            mx = r[j] > mx ? r[j] : mx;
-            nan |= r[j] != r[j];
-        }
-        /* mx is one of the row's values, or -inf where all are: GCC starts a max reduction
-           at -inf. One that starts at -FLT_MAX finds no column equal to it in a row of -infs
-           only; the scan stops at the last column and takes 0, as torch does. */
-        int64_t j = 0;
-        if (nan)
-            while (j < N - 1 && r[j] == r[j]) j++;
-        else
-            while (j < N - 1 && r[j] != mx) j++;
-        idx[m] = nan || r[j] == mx ? j : 0;
+        int nan;
+        idx[m] = first_max(x + m * ld, N, &nan);
     }
 }
 
