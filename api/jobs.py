@@ -332,8 +332,8 @@ def waiting(redis, model: str | None) -> str | None:
 
 def shard_counts(redis, job_id: str, status: str) -> dict[str, Any]:
     """How many of the job's shards are queued, running, ended, and the workers running them."""
-    c = shards.counters(redis, job_id)
-    on = shards.running_on(redis, job_id) if status not in events.TERMINAL else {}
+    c, on = shards.snapshot(redis, job_id)
+    on = on if status not in events.TERMINAL else {}
     total, released, ended = c.get("total", 0), c.get("released", 0), c.get("ended", 0)
     return {"total": total, "queued": max(0, released - ended - len(on)), "running": len(on),
             "done": ended, "pending": total - released, "workers": sorted({events.worker_ref(w) for w in on.values()})}

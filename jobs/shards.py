@@ -451,8 +451,8 @@ def drop_queued(redis, job_id: str) -> None:
     flag (or terminal status) is set, when no claim can succeed any more (claims watch
     both), so the running shards it skips are all there will be. A worker that dequeued
     one meanwhile finds it gone and skips it."""
-    released = counters(redis, job_id).get("released", 0)
-    running = {int(k) for k in redis.hkeys(keys.running(job_id))}
+    c, running = snapshot(redis, job_id)
+    released = c.get("released", 0)
     model, base, priority = redis.hmget(keys.info(job_id), "model", "base", "priority")
     if model is None:  # never queued: a dataset job canceled while validating
         return
@@ -468,10 +468,9 @@ def drop_queued(redis, job_id: str) -> None:
         pipe.execute()
 
 
-def running_on(redis, job_id: str) -> dict[int, str]:
-    """Running shard -> its worker."""
-    return {int(k): json.loads(v)["worker"] for k, v in redis.hgetall(keys.running(job_id)).items()}
-
-
-def counters(redis, job_id: str) -> dict[str, int]:
-    return _counters(redis.hgetall(keys.shards(job_id)))
+def snapshot(redis, job_id: str) -> tuple[dict[str, int], dict[int, str]]:
+    """(the counters, running shard -> its worker), read in one transaction: read apart, a
+    shard settling between the two reads would count as queued."""
+    with redis.pipeline(transaction=True) as pipe:
+        raw, on = pipe.hgetall(keys.shards(job_id)).hgetall(keys.running(job_id)).execute()
+    return _counters(raw), {int(k): json.loads(v)["worker"] for k, v in on.items()}
