@@ -128,7 +128,7 @@ def measure(path: str, formats: list[str], batches: list[int], tokens: int, repe
                    "tok_s": round(b / step, 1), "gb_s": round(step_bytes / step / GB, 1)}
             for k in ("copy", "read"):  # each run against the rate taken just before it
                 shares = sorted(step_bytes / s / GB / m[f"{k}_gb_s"] for s, m in runs[f, b])
-                row[f"{k}_gb_s"] = statistics.median(m[f"{k}_gb_s"] for _, m in runs[f, b])
+                row[f"{k}_gb_s"] = round(statistics.median(m[f"{k}_gb_s"] for _, m in runs[f, b]), 1)
                 row[f"of_{k}"] = round(statistics.median(shares), 3)
                 row[f"of_{k}_range"] = [round(shares[0], 3), round(shares[-1], 3)]
             rows.append(row)

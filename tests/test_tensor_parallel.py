@@ -14,6 +14,11 @@ The prompts share prefixes and run in chunks of 16 tokens, so the second rank's
 request-to-token rows come from the radix cache and from earlier chunks (ranks.Mirror),
 and a second batch runs on what the first left cached. Logits differ between 1 and 2 ranks
 by the order of the row-parallel sums only (float32 rounding)."""
+import json
+import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,6 +27,7 @@ import torch
 from worker.engine import Engine, EngineError, SamplingParams
 from worker.engine.models.tiny import build_tiny_model
 from worker.engine.parallel import TP, Split
+from worker.engine.ranks import GROUP_TIMEOUT
 
 CASES = {
     "llama": dict(arch="llama", num_kv_heads=1, vocab_size=501),
@@ -90,6 +96,58 @@ def test_a_refused_split_then_a_dead_rank(tmp_path):
         assert time.monotonic() - t < 60
     finally:
         engine.close()
+
+
+# Rank 0 is the child's own process; the rank named on its command line gets an address
+# space 32 MB over what it holds, then a 6,000-token prompt's prefill needs more (its MLP
+# alone: 6,000 x 2,048 floats a rank, 49 MB).
+FAULT = """
+import json, resource, sys, time
+from worker.engine import Engine, EngineError, SamplingParams
+path, who = sys.argv[1], int(sys.argv[2])
+engine = Engine(path, tensor_parallel_size=2, device="cpu", kv_tokens=8192, max_prefill_tokens=8192,
+                page_size=4)
+one = SamplingParams(max_new_tokens=2, ignore_eos=True)
+engine.generate(input_ids=[[5] * 64], sampling_params=one)
+follower = engine.runner.ranks.procs[0]
+pid = follower.pid if who else 0
+held = next(int(line.split()[1]) for line in open(f"/proc/{pid or 'self'}/status") if line.startswith("VmSize"))
+resource.prlimit(pid, resource.RLIMIT_AS, ((held + 32 * 1024) * 1024, resource.RLIM_INFINITY))
+t = time.monotonic()
+try:
+    engine.generate(input_ids=[[7] * 6000], sampling_params=one)
+    out = {"error": None}
+except EngineError as e:
+    out = {"error": str(e)}
+out["seconds"] = time.monotonic() - t
+resource.prlimit(0, resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+t = time.monotonic()
+engine.close()
+out.update(close_seconds=time.monotonic() - t, follower_code=follower.returncode)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("who", [1, 0])
+def test_a_forward_that_fails_on_one_rank_ends_the_group_at_once(tmp_path, who):
+    """A forward that raises on one rank alone (here: out of memory) leaves the other in a
+    collective; the group ends within seconds, not at its 10-minute timeout
+    (ranks.GROUP_TIMEOUT): a follower that fails exits and rank 0 names it; rank 0 failing
+    kills the followers and names its own error. Either way the engine raises EngineError
+    (the worker then gives its jobs back), and closes at once."""
+    path = build_tiny_model(str(tmp_path / "m"), hidden_size=512, intermediate_size=2048, max_context=8192)
+    child = subprocess.run([sys.executable, "-c", FAULT, path, str(who)], capture_output=True, text=True,
+                           timeout=GROUP_TIMEOUT.total_seconds())
+    assert child.returncode == 0, child.stderr[-3000:]
+    out = json.loads(child.stdout.splitlines()[-1])
+    bound = GROUP_TIMEOUT.total_seconds() / 10
+    assert out["seconds"] < bound and out["close_seconds"] < bound, out
+    if who:
+        assert re.search(r"tensor-parallel rank 1 \(pid \d+\) exited with code 1", out["error"]), out
+        assert "forward failed; this rank exits" in child.stderr and out["follower_code"] == 1
+    else:
+        assert "tensor parallel: rank 0's forward failed" in out["error"], out
+        assert "allocate" in out["error"] and out["follower_code"] == -signal.SIGKILL, out
 
 
 def test_what_is_not_split_is_refused(tmp_path):

@@ -328,8 +328,15 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits [len(fb.logits_idx), vocab] in float32: from a CUDA graph for a decode
         batch that fits one (a view valid until the next forward), else eagerly."""
-        if self.ranks is not None:
-            self.ranks.send(fb)  # the followers run it beside this one (ranks.py)
+        if self.ranks is None:
+            return self._forward(fb)
+        self.ranks.send(fb)  # the followers run it beside this one (ranks.py)
+        try:
+            return self._forward(fb)
+        except Exception as e:  # the group cannot go on: it ends, naming the cause
+            raise self.ranks.fail(e) from e
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and fb.lora is None and self.graphs.can_run(fb):
             return self.graphs.run(fb)  # (captured without adapters: a batch with them runs eagerly)
         return self.forward_eager(fb)

@@ -22,10 +22,14 @@ cache); the new tokens' slots are out_cache_loc. Rank 0 keeps a copy of the foll
 (`Mirror`) to tell.
 
 Ends: rank 0 sends None at close. If rank 0 dies, a follower's pipe reads EOF and it exits.
-If a follower dies, rank 0's next send or collective fails: the forward raises, the
-engine's fault isolation ends in EngineError (executor.py), and the worker gives its jobs
-back. A forward that fails on one rank alone leaves the others in a collective until the
-group's timeout (GROUP_TIMEOUT), then fails the same way.
+If a follower dies, rank 0's next send or collective fails (gloo: at once, "Connection
+closed by peer"). A forward that raises on one rank ends the group, since the others may
+wait in a collective it left, which nothing but the group's timeout (GROUP_TIMEOUT) would
+end: a follower whose forward raises exits (code 1); a forward that raises on rank 0 kills
+the followers (`Ranks.fail`). Every later forward then raises the cause (the rank that
+exited, or rank 0's error), the engine's fault isolation ends in EngineError
+(executor.py), and the worker gives its jobs back. Only a rank that hangs, neither
+finishing nor exiting, leaves the others to the timeout.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from .kv_pool import KVPool
 from .parallel import TP
 
 log = logging.getLogger("fanout.engine")
-GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting on a rank that failed alone
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting on a rank that hangs
 TENSORS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens",
            "extend_lens", "extend_start_loc", "logits_idx")
 
@@ -158,6 +162,7 @@ class Ranks:
                  ", ".join(str(p.pid) for p in self.procs), init)
         self.tp = join(0, size, init, device)
         self.mirror: Mirror | None = None
+        self.failed: RuntimeError | None = None  # why the group ended (fail)
 
     def exited(self, wait: float = 0.0) -> RuntimeError | None:
         """An error naming a follower that has exited (within `wait` seconds), or None. Its
@@ -172,7 +177,26 @@ class Ranks:
                 return None
             time.sleep(0.05)
 
+    def fail(self, e: Exception) -> RuntimeError:
+        """After rank 0's forward raised e: the group ends (the module doc). The cause is a
+        follower that exited (its failed forward, or its death, broke rank 0's collective)
+        or else rank 0's own error; the followers are killed, and every later send raises it."""
+        if self.failed is None:
+            why = self.exited(wait=2.0)
+            if why is None:
+                why = RuntimeError(f"tensor parallel: rank 0's forward failed ({type(e).__name__}: {e}); "
+                                   "the other ranks were stopped (they may wait in a collective it left)")
+                why.__cause__ = e
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.failed = why
+        return self.failed
+
     def send(self, fb: ForwardBatch) -> None:
+        if self.failed is not None:
+            raise self.failed
         if (why := self.exited()) is not None:
             raise why
         if self.mirror is None:
@@ -220,8 +244,10 @@ def follow(pipe: Connection) -> None:
             break
         try:
             runner.forward(step.forward_batch(kvm.kv, kvm.rtt.table, runner.device))
-        except Exception:  # rank 0 ran the same forward: it isolates the fault (executor.py)
-            log.exception("forward failed")
+        except Exception:  # rank 0 may wait in a collective this one left: exiting ends it
+            log.exception("forward failed; this rank exits")
+            logging.shutdown()
+            os._exit(1)
     dist.destroy_process_group()
 
 
