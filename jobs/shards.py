@@ -469,8 +469,16 @@ def drop_queued(redis, job_id: str) -> None:
 
 
 def snapshot(redis, job_id: str) -> tuple[dict[str, int], dict[int, str]]:
-    """(the counters, running shard -> its worker), read in one transaction: read apart, a
-    shard settling between the two reads would count as queued."""
-    with redis.pipeline(transaction=True) as pipe:
-        raw, on = pipe.hgetall(keys.shards(job_id)).hgetall(keys.running(job_id)).execute()
-    return _counters(raw), {int(k): json.loads(v)["worker"] for k, v in on.items()}
+    """(the counters, running shard -> its worker) as of one moment: read apart, a shard
+    settling between the two reads would count as queued. The counters are read before and
+    after the running set, again until both reads agree: every transaction that changes the
+    running set and the counts derived from it changes a counter too (claim, settle), none
+    sets a counter back, and a shard handed back changes the running set alone, which either
+    way reads as a state that was. Not MULTI: Redis at its maxmemory refuses every command
+    queued in one, and reads must answer then."""
+    counters, run = keys.shards(job_id), keys.running(job_id)
+    while True:
+        with redis.pipeline(transaction=False) as pipe:
+            before, on, after = pipe.hgetall(counters).hgetall(run).hgetall(counters).execute()
+        if before == after:
+            return _counters(before), {int(k): json.loads(v)["worker"] for k, v in on.items()}
