@@ -1,6 +1,7 @@
 """Agents on the demo model (SmolLM2-135M-Instruct, whose chat template has no tool format):
-LangChain's `bind_tools` with its default tool_choice (auto) and langgraph's
-`create_react_agent`, unchanged, against the live service, run a tool and answer with its
+LangChain's `bind_tools` with its default tool_choice (auto) and its agent loop
+(`langchain.agents.create_agent`, which replaced langgraph's `create_react_agent`), unchanged,
+against the live service, run a tool and answer with its
 result. The generic tool format (worker/engine/tools.py) makes that possible: tools in a
 system turn, the answer decoded as a call or a response. Greedy, so the runs repeat."""
 import pytest
@@ -43,10 +44,10 @@ def test_bind_tools_with_its_default_choice_calls_the_tool_then_answers_with_its
     assert not final.tool_calls and RESULT in final.content, final
 
 
-def test_create_react_agent_runs_to_a_final_answer_that_used_the_tool(demo_api):
-    from langgraph.prebuilt import create_react_agent
+def test_create_agent_runs_to_a_final_answer_that_used_the_tool(demo_api):
+    from langchain.agents import create_agent
 
-    agent = create_react_agent(llm(demo_api), [get_weather])
+    agent = create_agent(llm(demo_api), [get_weather])
     out = agent.invoke({"messages": [("user", "What is the weather in Paris?")]}, {"recursion_limit": 6})
     kinds = [type(m).__name__ for m in out["messages"]]
     assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"], kinds
