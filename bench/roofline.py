@@ -26,6 +26,15 @@ neighbours, 33-80 GB/s from one minute to the next on one seen here, and so does
 time, so a rate from another minute says little of the one a run met. The read is the
 stricter roofline: a read alone streams faster than a copy on the machines seen.
 
+The other side of the roofline is the products: at batch b a step does b multiply-adds per
+weight, and from some batch on the cores take longer over them than the memory over the
+bytes. `products_floor` times the step's matmuls with every weight in cache (the kernels'
+own calls, replayed without Python; after each run, the fastest of them kept, as the
+step's fastest run is); a row's `bound` says which floor is the higher at its
+batch (the step's bytes at the runs' median copy rate, or the products), and
+`of_floor` is that floor over the fastest step: how close the step came to what this
+machine allows at that batch, where the share of the copy rate cannot say it.
+
 Results: stdout and bench/out/roofline.json.
 """
 from __future__ import annotations
@@ -44,6 +53,7 @@ import torch  # noqa: E402
 
 from bench.out_file import save  # noqa: E402
 from worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from worker.engine.kernels import cpu_graph  # noqa: E402
 from worker.engine.kv_pool import KVPool  # noqa: E402
 from worker.engine.models.demo import fetch_demo_model  # noqa: E402
 
@@ -72,6 +82,34 @@ def tensors(gib: float) -> tuple[torch.Tensor, torch.Tensor]:
 def bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     """Read and copy rates of this machine, GB/s (best of repeats)."""
     return rates(*tensors(gib), repeats)
+
+
+def products_floor(engine: Engine, batch: int, calls: int = 8, repeats: int = 3) -> float:
+    """Seconds a decode step's matmuls take at this batch with every weight in cache: the
+    compute side of the roofline, which no step beats whatever the memory. Each distinct
+    packed weight of the model (its kernel's panels: codes, or fp32 for format none) times
+    [batch, k], `calls` calls recorded and replayed with no Python between them
+    (kernels/cpu_graph.py), the best of `repeats` replays, times the weights of its shape.
+    The weight stays in L2/L3 from call to call (about 1 MB a layer's; lm_head's 30 MB
+    codes the most). It counts the kernels' own work (x's rounding, scales, threads), not
+    what the rest of the step adds."""
+    by_shape: dict[tuple, list] = {}
+    for m in engine.runner.model.modules():
+        for v in vars(m).values():
+            if hasattr(v, "matmul") and isinstance(getattr(v, "k", None), int):
+                key = (type(v).__name__, v.n, v.k, getattr(v, "bits", 32), getattr(v, "dot", False))
+                by_shape.setdefault(key, []).append(v)
+    total = 0.0
+    for packed in by_shape.values():
+        x = torch.randn(batch, packed[0].k)
+        rec = cpu_graph.record(lambda: [packed[0].matmul(x) for _ in range(calls)])
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            rec.replay()
+            best = min(best, (time.perf_counter() - t) / calls)
+        total += best * len(packed)
+    return total
 
 
 def decode(engine: Engine, batch: int, tokens: int) -> tuple[float, int]:
@@ -106,6 +144,7 @@ def measure(path: str, formats: list[str], batches: list[int], tokens: int, repe
     probe = tensors(gib)
     runs: dict[tuple[str, int], list[tuple[float, dict]]] = {}  # (step seconds, rates before it)
     held: dict[int, int] = {}
+    floors: dict[tuple[str, int], list[float]] = {}  # each run's products floor, taken after it
     for engine in engines.values():
         decode(engine, 2, 8)  # warm-up
     for _ in range(repeats):
@@ -114,6 +153,7 @@ def measure(path: str, formats: list[str], batches: list[int], tokens: int, repe
                 machine = rates(*probe)
                 step, held[b] = decode(engine, b, tokens)
                 runs.setdefault((f, b), []).append((step, machine))
+                floors.setdefault((f, b), []).append(products_floor(engine, b))
     del probe
     rows = []
     for f, engine in engines.items():
@@ -131,6 +171,12 @@ def measure(path: str, formats: list[str], batches: list[int], tokens: int, repe
                 row[f"{k}_gb_s"] = round(statistics.median(m[f"{k}_gb_s"] for _, m in runs[f, b]), 1)
                 row[f"of_{k}"] = round(statistics.median(shares), 3)
                 row[f"of_{k}_range"] = [round(shares[0], 3), round(shares[-1], 3)]
+            # The roofline's floor: the bytes at the copy rate, or the products, the longer.
+            products = min(floors[f, b])
+            floor = max(step_bytes / GB / row["copy_gb_s"], products)
+            row.update(products_ms=round(products * 1e3, 2), floor_ms=round(floor * 1e3, 2),
+                       bound="products" if products * GB * row["copy_gb_s"] > step_bytes else "memory",
+                       of_floor=round(floor / step, 3))
             rows.append(row)
             print(row, flush=True)
     del engines
@@ -159,7 +205,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     after = bandwidth(args.gib)
     print("machine after:", after, flush=True)
     print(f"\n{'format':>10} {'batch':>5} {'MB/step':>8} {'ms/step':>8} {'tok/s':>7} {'GB/s':>6} "
-          f"{'copy GB/s':>9} {'of copy (range)':>16} {'read GB/s':>9} {'of read (range)':>16}")
+          f"{'copy GB/s':>9} {'of copy (range)':>16} {'read GB/s':>9} {'of read (range)':>16} "
+          f"{'products ms':>11} {'bound':>8} {'of floor':>8}")
 
     def share(r, k):
         lo, hi = r[f"of_{k}_range"]
@@ -168,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['format']:>10} {r['batch']:>5} {r['step_mb']:>8} {r['step_ms']:>8} {r['tok_s']:>7} "
               f"{r['gb_s']:>6} {r['copy_gb_s']:>9} {share(r, 'copy'):>16} {r['read_gb_s']:>9} "
-              f"{share(r, 'read'):>16}")
+              f"{share(r, 'read'):>16} {r['products_ms']:>11} {r['bound']:>8} {r['of_floor']:>8.0%}")
     save("roofline", {"machine": {"before": before, "after": after},
                       "tokens": args.tokens, "rows": rows})
     return rows
