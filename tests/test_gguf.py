@@ -230,6 +230,12 @@ def test_the_roofline_benchmark_runs(tmp_path):
     assert all(r["step_mb"] >= r["weights_mb"] and r["step_ms"] > 0 and r["tok_s"] > 0 for r in rows)
     # Each row against the copy and read rates taken just before its run.
     assert all(0 < r[f"of_{k}_range"][0] <= r[f"of_{k}"] <= r[f"of_{k}_range"][1] for r in rows for k in ("copy", "read"))
+    # The products' floor beside the memory's: the higher one binds, and the step is over it.
+    for r in rows:
+        memory_ms = r["step_mb"] / r["copy_gb_s"]
+        assert r["products_ms"] > 0 and r["bound"] == ("products" if r["products_ms"] > memory_ms else "memory")
+        assert abs(r["floor_ms"] - max(memory_ms, r["products_ms"])) < 0.01 + 0.01 * r["floor_ms"], r
+        assert abs(r["of_floor"] - r["floor_ms"] / r["step_ms"]) < 0.05, r  # (ms rounded to 0.01)
 
 
 def test_the_replay_calls_benchmark_runs(tmp_path):
