@@ -226,6 +226,8 @@ def test_commands_parse_with_the_fanout_cli(docs, monkeypatch):
         worker = parse(container(w), monkeypatch)
         assert worker.cmd == "worker" and worker.device == "cuda" and worker.model
         assert not worker.burst
+        # Its Prometheus metrics on every address, on the container port a Prometheus finds by name.
+        assert worker.metrics_port == port_number(container(w), "metrics") and worker.metrics_host == "0.0.0.0"
         names.add(served(w))  # read by the worker at start (the flag's default)
     assert len(names) == len(workers(docs))  # each Deployment its own model
 
