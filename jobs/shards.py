@@ -468,6 +468,9 @@ def drop_queued(redis, job_id: str) -> None:
         pipe.execute()
 
 
+SNAPSHOT_TRIES = 10
+
+
 def snapshot(redis, job_id: str) -> tuple[dict[str, int], dict[int, str]]:
     """(the counters, running shard -> its worker) as of one moment: read apart, a shard
     settling between the two reads would count as queued. The counters are read before and
@@ -475,10 +478,12 @@ def snapshot(redis, job_id: str) -> tuple[dict[str, int], dict[int, str]]:
     running set and the counts derived from it changes a counter too (claim, settle), none
     sets a counter back, and a shard handed back changes the running set alone, which either
     way reads as a state that was. Not MULTI: Redis at its maxmemory refuses every command
-    queued in one, and reads must answer then."""
+    queued in one, and reads must answer then. (After SNAPSHOT_TRIES reads that disagree,
+    shards settling faster than a round trip, the last one as it is.)"""
     counters, run = keys.shards(job_id), keys.running(job_id)
-    while True:
+    for _ in range(SNAPSHOT_TRIES):
         with redis.pipeline(transaction=False) as pipe:
             before, on, after = pipe.hgetall(counters).hgetall(run).hgetall(counters).execute()
         if before == after:
-            return _counters(before), {int(k): json.loads(v)["worker"] for k, v in on.items()}
+            break
+    return _counters(after), {int(k): json.loads(v)["worker"] for k, v in on.items()}
