@@ -172,11 +172,10 @@ def measure(path: str, formats: list[str], batches: list[int], tokens: int, repe
                 row[f"of_{k}"] = round(statistics.median(shares), 3)
                 row[f"of_{k}_range"] = [round(shares[0], 3), round(shares[-1], 3)]
             # The roofline's floor: the bytes at the copy rate, or the products, the longer.
-            products = min(floors[f, b])
-            floor = max(step_bytes / GB / row["copy_gb_s"], products)
+            memory, products = step_bytes / GB / row["copy_gb_s"], min(floors[f, b])
+            floor = max(memory, products)
             row.update(products_ms=round(products * 1e3, 2), floor_ms=round(floor * 1e3, 2),
-                       bound="products" if products * GB * row["copy_gb_s"] > step_bytes else "memory",
-                       of_floor=round(floor / step, 3))
+                       bound="products" if products > memory else "memory", of_floor=round(floor / step, 3))
             rows.append(row)
             print(row, flush=True)
     del engines

@@ -186,7 +186,6 @@ class Ranks:
             if why is None:
                 why = RuntimeError(f"tensor parallel: rank 0's forward failed ({type(e).__name__}: {e}); "
                                    "the other ranks were stopped (they may wait in a collective it left)")
-                why.__cause__ = e
             for p in self.procs:
                 if p.poll() is None:
                     p.kill()
